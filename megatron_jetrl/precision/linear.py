@@ -1,0 +1,209 @@
+"""``Fp8BlockLinear``: y = x·Wᵀ (+ b) with FProp, DGrad and WGrad all as FP8 block-scaled GEMMs.
+
+    FProp  y  = x · Wᵀ      x: 1x128 groups along K        W: 128x128 blocks
+    DGrad  dx = dy · W      dy: 1x128 groups along N       Wᵀ: the same blocks, bytes transposed
+    WGrad  dW = dyᵀ · x     dyᵀ, xᵀ: 1x128 groups along the token dim M
+
+Why the token-dim groups: WGrad contracts over tokens, and a block-scaled GEMM needs its groups
+along the contraction dim, so x and dy are quantized a second time from their BF16 values along
+M (never re-quantized from FP8). Why W is not re-quantized for DGrad: a 128x128 block is the same
+block after transposition, so DGrad uses exactly the weight bytes FProp used.
+
+Outputs and gradients between operators keep the input dtype (BF16 in training). The FP8 weight is
+computed once per optimizer step (``Fp8WeightCache``) and shared by every micro-batch's FProp and
+DGrad, and by the weight sync.
+
+Quantization is done by an ``Fp8Quantizer``: ``ReferenceQuantizer`` here (pure torch, any device),
+or ``megatron_jetrl.ops.NativeQuantizer`` (fused kernels, same bytes), chosen by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from megatron_jetrl.precision.gemm import GemmBackend, fp8_gemm
+from megatron_jetrl.precision.quant import (
+    GROUP_1x128,
+    WEIGHT_BLOCK,
+    Fp8Tensor,
+    check_eps,
+    quantize_fp8_blockwise,
+    transpose_blocks,
+)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A weight [N, K] quantized with 128x128 blocks, in the two layouts the GEMMs read.
+
+    ``fprop`` is the checkpoint / rollout layout (``weight`` + ``weight_scale_inv``); ``dgrad`` is
+    the same bytes and scales transposed ([K, N]).
+    """
+
+    fprop: Fp8Tensor
+    dgrad: Fp8Tensor
+
+
+class Fp8Quantizer(Protocol):
+    pow2_scales: bool
+    eps: float
+
+    def quantize_groups(
+        self, x_MK: torch.Tensor, *, rowwise: bool, columnwise: bool
+    ) -> tuple[Optional[Fp8Tensor], Optional[Fp8Tensor]]:
+        """1x128 groups: rowwise along K -> [M, K]; columnwise along M -> xᵀ [K, M]."""
+        ...
+
+    def quantize_weight(self, w_NK: torch.Tensor) -> Fp8Weight:
+        ...
+
+
+class ReferenceQuantizer:
+    """The quantizer contract in pure torch (``quantize_fp8_blockwise``); runs on any device."""
+
+    def __init__(self, *, pow2_scales: bool = False, eps: float = 0.0):
+        self.pow2_scales = bool(pow2_scales)
+        self.eps = check_eps(eps)
+
+    def quantize_groups(self, x_MK, *, rowwise, columnwise):
+        kw = {"pow2_scales": self.pow2_scales, "eps": self.eps}
+        row = Fp8Tensor(*quantize_fp8_blockwise(x_MK, GROUP_1x128, **kw), GROUP_1x128) if rowwise else None
+        col = Fp8Tensor(*quantize_fp8_blockwise(x_MK.t(), GROUP_1x128, **kw), GROUP_1x128) if columnwise else None
+        return row, col
+
+    def quantize_weight(self, w_NK):
+        fprop = Fp8Tensor(
+            *quantize_fp8_blockwise(w_NK, WEIGHT_BLOCK, pow2_scales=self.pow2_scales, eps=self.eps), WEIGHT_BLOCK
+        )
+        return Fp8Weight(fprop=fprop, dgrad=transpose_blocks(fprop))
+
+
+class Fp8WeightCache:
+    """Holds one weight's FP8 form and re-quantizes only when the weight changed.
+
+    A change is seen through the tensor's version counter (bumped by every in-place update,
+    including the optimizer step), its storage and its shape, so all micro-batches of a step share
+    one quantization and an updated weight is never served stale. ``invalidate()`` forces a
+    re-quantization, e.g. after loading a checkpoint through ``.data``.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: Fp8Weight | None = None
+
+    def get(self, weight: torch.Tensor, quantizer: Fp8Quantizer) -> Fp8Weight:
+        key = (
+            weight._version,
+            weight.data_ptr(),
+            tuple(weight.shape),
+            weight.dtype,
+            type(quantizer),
+            quantizer.pow2_scales,
+            quantizer.eps,
+        )
+        if self._value is None or key != self._key:
+            with torch.no_grad():
+                self._value = quantizer.quantize_weight(weight.detach())
+            self._key = key
+        return self._value
+
+    def invalidate(self) -> None:
+        self._key = self._value = None
+
+
+class Fp8BlockLinear(torch.autograd.Function):
+    """Autograd function; call through ``fp8_block_linear``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8_weight: Fp8Weight, quantizer: Fp8Quantizer, gemm: GemmBackend):
+        N, K = weight.shape
+        x_MK = x.reshape(-1, K)
+        need_wgrad = ctx.needs_input_grad[1]
+        x_row, x_col = quantizer.quantize_groups(x_MK, rowwise=True, columnwise=need_wgrad)
+        y = fp8_gemm(x_row, fp8_weight.fprop, x.dtype, gemm)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.x_col = x_col
+        ctx.fp8_weight = fp8_weight
+        ctx.quantizer = quantizer
+        ctx.gemm = gemm
+        ctx.shapes = (x.shape, weight.dtype, None if bias is None else bias.dtype)
+        return y.view(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_shape, w_dtype, b_dtype = ctx.shapes
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+        N = dy.shape[-1]
+        dy_MN = dy.reshape(-1, N)
+        if not dy_MN.is_contiguous():
+            dy_MN = dy_MN.contiguous()
+        dy_row, dy_col = ctx.quantizer.quantize_groups(dy_MN, rowwise=need_dgrad, columnwise=need_wgrad)
+        dx = dw = db = None
+        if need_dgrad:
+            dx = fp8_gemm(dy_row, ctx.fp8_weight.dgrad, dy.dtype, ctx.gemm).view(x_shape)
+        if need_wgrad:
+            dw = fp8_gemm(dy_col, ctx.x_col, w_dtype, ctx.gemm)
+        if need_bgrad:
+            db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
+        return dx, dw, db, None, None, None
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    quantizer: Fp8Quantizer,
+    cache: Optional[Fp8WeightCache] = None,
+    gemm: GemmBackend = "auto",
+) -> torch.Tensor:
+    """y = x·Wᵀ + b with all three GEMMs in FP8 (see the module docstring).
+
+    Args:
+        x: [..., K] bf16 / fp16 / fp32; weight: [N, K] (the master weight, any float dtype);
+        bias: optional [N], added in the output dtype.
+        quantizer: who quantizes (reference or native kernels; same bytes).
+        cache: reuse the weight's FP8 form until the weight changes; without one the weight is
+            quantized on every call.
+        gemm: ``auto`` (scaled_mm on Hopper, emulation elsewhere), ``scaled_mm`` or ``emulate``.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K]; got shape {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x's last dim {x.shape[-1]} does not match weight in_features {weight.shape[1]}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}]; got shape {tuple(bias.shape)}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    fp8_weight = cache.get(weight, quantizer) if cache is not None else quantizer.quantize_weight(weight.detach())
+    return Fp8BlockLinear.apply(x, weight, bias, fp8_weight, quantizer, gemm)
+
+
+class Fp8Linear(torch.nn.Module):
+    """``torch.nn.Linear`` whose GEMMs run through ``fp8_block_linear``; owns its weight cache."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        quantizer: Fp8Quantizer,
+        gemm: GemmBackend = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        ref = torch.nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.weight = ref.weight
+        self.bias = ref.bias
+        self.quantizer = quantizer
+        self.gemm = gemm
+        self.cache = Fp8WeightCache()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_block_linear(x, self.weight, self.bias, quantizer=self.quantizer, cache=self.cache, gemm=self.gemm)

@@ -1,0 +1,250 @@
+"""The precision recipe: which dtype each phase computes in, and the FP8 block-scaling options.
+
+One ``PrecisionRecipe`` per job. The trainer's native FP8 linear, the Transformer Engine backend,
+the rollout engine's ``quantization_config`` and the FP8 checkpoint export are all derived from
+it here, so no two places can disagree on block sizes, scale rounding or the layers kept in BF16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from megatron_jetrl.config import ConfigError
+
+LLAMA_LINEAR_NAMES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+"""HF module names of a decoder layer's linears for the Llama / Qwen2 / Qwen3 families."""
+
+
+class PrecisionMode(str, Enum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+    BF16_TRAIN_FP8_ROLLOUT = "bf16-train+fp8-rollout"
+    """Ablation only: the off-policy baseline that unified FP8 is measured against."""
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """FP8 block scaling. Block sizes are fixed by the kernels, TE and vLLM; they are fields so the
+    contract is written down and validated rather than implied."""
+
+    format: str = "e4m3"
+    weight_block: tuple[int, int] = (128, 128)
+    activation_group: tuple[int, int] = (1, 128)
+    grad_group: tuple[int, int] = (1, 128)
+    pow2_scales: bool = False
+    """fp32 scales by default: on Hopper, power-of-two scales measurably raise mismatch."""
+    amax_epsilon: float = 0.0
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+
+    def __post_init__(self) -> None:
+        key = "precision.fp8"
+        if self.format != "e4m3":
+            raise ConfigError(f"{key}.format", self.format, "only 'e4m3' is supported (E5M2 gradients are not)")
+        object.__setattr__(self, "weight_block", _as_pair(f"{key}.weight_block", self.weight_block))
+        object.__setattr__(self, "activation_group", _as_pair(f"{key}.activation_group", self.activation_group))
+        object.__setattr__(self, "grad_group", _as_pair(f"{key}.grad_group", self.grad_group))
+        if self.weight_block != (128, 128):
+            raise ConfigError(f"{key}.weight_block", list(self.weight_block), "must be [128, 128]")
+        for name in ("activation_group", "grad_group"):
+            if getattr(self, name) != (1, 128):
+                raise ConfigError(f"{key}.{name}", list(getattr(self, name)), "must be [1, 128]")
+        if not isinstance(self.pow2_scales, bool):
+            raise ConfigError(f"{key}.pow2_scales", self.pow2_scales, "must be true or false")
+        eps = self.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise ConfigError(f"{key}.amax_epsilon", eps, "must be a finite number >= 0")
+        object.__setattr__(self, "amax_epsilon", float(eps))
+        for name in ("bf16_first_layers", "bf16_last_layers"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ConfigError(f"{key}.{name}", n, "must be an integer >= 0")
+
+
+@dataclass(frozen=True)
+class TeSettings:
+    """What the te backend needs: ``env`` must be set by the launcher before TE is imported
+    (TE reads NVTE_FP8_BLOCK_SCALING_FP32_SCALES at class definition); ``recipe_kwargs`` go to
+    ``Float8BlockScaling`` (``qparams`` to its three ``QParams``); ``megatron_kwargs`` to
+    ``TransformerConfig``."""
+
+    env: dict[str, str]
+    recipe_kwargs: dict[str, Any]
+    qparams: dict[str, Any]
+    megatron_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """What the vLLM engine needs: ``env`` before vLLM is imported (keep our fp32 scales instead
+    of DeepGEMM's UE8M0 re-quantization), the ``quantization_config`` for the HF config it loads,
+    and its ``dtype`` for everything not quantized."""
+
+    env: dict[str, str]
+    quantization_config: dict[str, Any] | None
+    dtype: str
+
+
+@dataclass(frozen=True)
+class PrecisionRecipe:
+    mode: PrecisionMode = PrecisionMode.FP8
+    fp8: Fp8Options = field(default_factory=Fp8Options)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", PrecisionMode(self.mode))
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in PrecisionMode)
+            raise ConfigError("precision.mode", self.mode, f"must be one of {allowed}") from None
+        if not isinstance(self.fp8, Fp8Options):
+            raise ConfigError("precision.fp8", self.fp8, "must be an Fp8Options (or a mapping in from_dict)")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "PrecisionRecipe":
+        """Build from a config mapping; an unknown key is an error naming it."""
+        raw = dict(_mapping("precision", raw))
+        _reject_unknown("precision", raw, {f.name for f in dataclasses.fields(cls)})
+        fp8_raw = dict(_mapping("precision.fp8", raw.pop("fp8", None) or {}))
+        _reject_unknown("precision.fp8", fp8_raw, {f.name for f in dataclasses.fields(Fp8Options)})
+        return cls(fp8=Fp8Options(**fp8_raw), **raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        fp8 = dataclasses.asdict(self.fp8)
+        for k in ("weight_block", "activation_group", "grad_group"):
+            fp8[k] = list(fp8[k])
+        return {"mode": self.mode.value, "fp8": fp8}
+
+    @property
+    def train_fp8(self) -> bool:
+        return self.mode is PrecisionMode.FP8
+
+    @property
+    def rollout_fp8(self) -> bool:
+        return self.mode in (PrecisionMode.FP8, PrecisionMode.BF16_TRAIN_FP8_ROLLOUT)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of activations, gradients between operators, and every non-FP8 GEMM."""
+        return torch.float16 if self.mode is PrecisionMode.FP16 else torch.bfloat16
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.mode is PrecisionMode.FP16
+
+    def layer_in_fp8(self, layer: int, num_layers: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based, of ``num_layers``) runs its linears in FP8
+        during training; the first/last ``bf16_*_layers`` stay in BF16."""
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer {layer} out of range for {num_layers} layers")
+        self._check_layers(num_layers)
+        if not self.train_fp8:
+            return False
+        return self.fp8.bf16_first_layers <= layer < num_layers - self.fp8.bf16_last_layers
+
+    def _rollout_layer_in_fp8(self, layer: int, num_layers: int) -> bool:
+        first, last = self.fp8.bf16_first_layers, self.fp8.bf16_last_layers
+        return first <= layer < num_layers - last
+
+    def _check_layers(self, num_layers: int) -> None:
+        if self.fp8.bf16_first_layers + self.fp8.bf16_last_layers > num_layers:
+            raise ConfigError(
+                "precision.fp8.bf16_first_layers",
+                (self.fp8.bf16_first_layers, self.fp8.bf16_last_layers),
+                f"bf16_first_layers + bf16_last_layers must be <= num_layers ({num_layers})",
+            )
+
+    def te_settings(self, num_layers: int) -> TeSettings | None:
+        """Transformer Engine ``Float8BlockScaling`` settings equal to this recipe; None when
+        training does not run in FP8."""
+        if not self.train_fp8:
+            return None
+        self._check_layers(num_layers)
+        q = {"power_2_scale": self.fp8.pow2_scales, "amax_epsilon": self.fp8.amax_epsilon}
+        first, last = self.fp8.bf16_first_layers, self.fp8.bf16_last_layers
+        megatron = {"fp8": "e4m3", "fp8_recipe": "blockwise", "first_last_layers_bf16": bool(first or last)}
+        if first or last:
+            megatron.update(num_layers_at_start_in_bf16=first, num_layers_at_end_in_bf16=last)
+        return TeSettings(
+            env={"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0" if self.fp8.pow2_scales else "1"},
+            recipe_kwargs={
+                "fp8_format": "E4M3",
+                "x_block_scaling_dim": 1,
+                "w_block_scaling_dim": 2,
+                "grad_block_scaling_dim": 1,
+            },
+            qparams={"fp8_quant_fwd_inp": q, "fp8_quant_fwd_weight": dict(q), "fp8_quant_bwd_grad": dict(q)},
+            megatron_kwargs=megatron,
+        )
+
+    def quantization_config(
+        self,
+        num_layers: int,
+        *,
+        linear_names: Sequence[str] = LLAMA_LINEAR_NAMES,
+        layer_prefix: str = "model.layers",
+    ) -> dict[str, Any] | None:
+        """The HF / vLLM ``quantization_config`` of an FP8 block checkpoint of this recipe (the
+        DeepSeek-V3 / Qwen-FP8 layout), or None when rollout is not FP8.
+
+        Layers kept in BF16 are listed by module name under both ``ignored_layers`` (vLLM) and
+        ``modules_to_not_convert`` (transformers).
+        """
+        if not self.rollout_fp8:
+            return None
+        self._check_layers(num_layers)
+        config: dict[str, Any] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.fp8.weight_block),
+        }
+        skipped = [
+            f"{layer_prefix}.{i}.{name}"
+            for i in range(num_layers)
+            if not self._rollout_layer_in_fp8(i, num_layers)
+            for name in linear_names
+        ]
+        if skipped:
+            config["ignored_layers"] = skipped
+            config["modules_to_not_convert"] = list(skipped)
+        return config
+
+    def vllm_settings(self, num_layers: int, **names: Any) -> VllmSettings:
+        env = {"VLLM_USE_DEEP_GEMM_E8M0": "1" if self.fp8.pow2_scales else "0"} if self.rollout_fp8 else {}
+        dtype = "float16" if self.mode is PrecisionMode.FP16 else "bfloat16"
+        return VllmSettings(env=env, quantization_config=self.quantization_config(num_layers, **names), dtype=dtype)
+
+
+def _as_pair(key: str, value: Any) -> tuple[int, int]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ConfigError(key, value, "must be a pair of integers, e.g. [128, 128]")
+    return int(value[0]), int(value[1])
+
+
+def _mapping(key: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, value, "must be a mapping of keys to values")
+    return value
+
+
+def _reject_unknown(section: str, raw: Mapping[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{section}.{unknown[0]}", raw[unknown[0]], f"unknown key; allowed keys: {sorted(known)}")

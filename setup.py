@@ -1,0 +1,69 @@
+"""Builds megatron_jetrl and its extension megatron_jetrl._C from csrc/.
+
+CUDA kernels are compiled when torch is a CUDA build and a CUDA toolkit (nvcc) is found; otherwise
+a CPU-only extension is built (C++ kernels; the package also works with no extension at all, on
+the pure-torch references). Install with ``pip install --no-build-isolation -e .`` so the build
+uses the torch already installed (a CPU wheel in CI) instead of downloading one.
+
+Target GPUs: TORCH_CUDA_ARCH_LIST as usual for torch extensions; when unset, Hopper (9.0).
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError as e:  # pragma: no cover - exercised only by a broken install
+    raise SystemExit(
+        "megatron-jetrl builds a torch extension and needs torch installed first:\n"
+        "  pip install torch            # the CPU or CUDA build you want\n"
+        "  pip install --no-build-isolation -e .\n"
+        f"({e})"
+    )
+
+
+def extension():
+    cpp = ["csrc/bindings.cpp", "csrc/quantize.cpp", "csrc/quantize_cpu.cpp"]
+    cxx = ["-O3", "-std=c++17"]
+    if torch.version.cuda is not None and CUDA_HOME is not None:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+        return CUDAExtension(
+            name="megatron_jetrl._C",
+            sources=cpp + sorted(glob.glob("csrc/*.cu")),
+            define_macros=[("JETRL_WITH_CUDA", None)],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]},
+        )
+    return CppExtension(name="megatron_jetrl._C", sources=cpp, extra_compile_args=cxx)
+
+
+setup(
+    name="megatron-jetrl",
+    version="0.1.0",
+    description="RL post-training on megatron-core with one unified FP8 precision flow for training and rollout",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_jetrl", "megatron_jetrl.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    install_requires=[
+        "torch>=2.10",
+        "megatron-core>=0.16",
+        "numpy",
+        "safetensors",
+        "transformers",
+        "pyyaml",
+        "rich",
+    ],
+    extras_require={
+        "te": ["transformer-engine[pytorch]>=2.9"],
+        "vllm": ["vllm>=0.32"],
+        "test": ["pytest>=8"],
+    },
+    entry_points={},
+    zip_safe=False,
+)
