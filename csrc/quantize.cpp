@@ -1,0 +1,116 @@
+// Input validation, output allocation and device dispatch for the quantization kernels.
+#include "quantize.h"
+#include "quantize_math.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+namespace jetrl {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// "[4, 256]". Shapes are formatted here rather than by streaming IntArrayRef into TORCH_CHECK:
+// with torch 2.11 on the GPU host that crashed the process instead of raising.
+std::string dims(at::IntArrayRef d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+void check_input(const at::Tensor& x, double eps, const char* op) {
+  TORCH_CHECK(x.defined(), op, ": x is undefined");
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K]; got ", x.dim(), "-D shape ", dims(x.sizes()));
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, op,
+              ": x must be bfloat16, float16 or float32; got ", dt);
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous (row-major); got strides ", dims(x.strides()),
+              ". Call .contiguous() first");
+  TORCH_CHECK(x.is_cpu() || x.is_cuda(), op, ": x must be on CPU or CUDA; got ", x.device().str());
+#ifndef JETRL_WITH_CUDA
+  TORCH_CHECK(!x.is_cuda(), op,
+              ": x is on CUDA but megatron_jetrl._C was built without CUDA kernels; rebuild on a "
+              "machine with nvcc and a CUDA build of torch: pip install --no-build-isolation -e .");
+#endif
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0; got ", eps);
+  TORCH_CHECK(ceil_div(x.size(0), kBlock) * ceil_div(x.size(1), kBlock) < std::numeric_limits<int32_t>::max(), op,
+              ": x has too many 128x128 tiles for one launch: ", dims(x.sizes()));
+}
+
+void launch(const QuantizeArgs& args, const at::Tensor& x) {
+  if (args.M == 0 || args.K == 0) return;
+#ifdef JETRL_WITH_CUDA
+  if (x.is_cuda()) {
+    quantize_cuda(args, x.scalar_type(), x);
+    return;
+  }
+#endif
+  quantize_cpu(args, x.scalar_type());
+}
+
+}  // namespace
+
+std::vector<at::Tensor> quantize_1x128(const at::Tensor& x, bool rowwise, bool columnwise, bool pow2_scales,
+                                       double eps) {
+  check_input(x, eps, "quantize_1x128");
+  TORCH_CHECK(rowwise || columnwise, "quantize_1x128: ask for rowwise, columnwise or both");
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto codes = x.options().dtype(at::kFloat8_e4m3fn);
+  const auto scales = x.options().dtype(at::kFloat);
+  at::Tensor q, s_row, qt, s_col;
+  QuantizeArgs args;
+  args.x = x.data_ptr();
+  args.M = M;
+  args.K = K;
+  args.pow2 = pow2_scales;
+  args.eps = static_cast<float>(eps);
+  if (rowwise) {
+    q = at::empty({M, K}, codes);
+    s_row = at::empty({ceil_div(K, kBlock), M}, scales);
+    args.q = static_cast<uint8_t*>(q.data_ptr());
+    args.s_row = s_row.data_ptr<float>();
+  }
+  if (columnwise) {
+    qt = at::empty({K, M}, codes);
+    s_col = at::empty({ceil_div(M, kBlock), K}, scales);
+    args.qt = static_cast<uint8_t*>(qt.data_ptr());
+    args.s_col = s_col.data_ptr<float>();
+  }
+  launch(args, x);
+  return {q, rowwise ? s_row.t() : s_row, qt, columnwise ? s_col.t() : s_col};
+}
+
+std::vector<at::Tensor> quantize_128x128(const at::Tensor& x, bool with_transpose, bool pow2_scales, double eps) {
+  check_input(x, eps, "quantize_128x128");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor s = at::empty({ceil_div(M, kBlock), ceil_div(K, kBlock)}, x.options().dtype(at::kFloat));
+  at::Tensor qt;
+  QuantizeArgs args;
+  args.x = x.data_ptr();
+  args.M = M;
+  args.K = K;
+  args.pow2 = pow2_scales;
+  args.eps = static_cast<float>(eps);
+  args.q = static_cast<uint8_t*>(q.data_ptr());
+  args.s_blk = s.data_ptr<float>();
+  if (with_transpose) {
+    qt = at::empty({K, M}, x.options().dtype(at::kFloat8_e4m3fn));
+    args.qt = static_cast<uint8_t*>(qt.data_ptr());
+  }
+  launch(args, x);
+  return {q, s, qt};
+}
+
+bool with_cuda() {
+#ifdef JETRL_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace jetrl
