@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on the GPU host: install the carried wheels, build the CUDA extension, run every GPU
+# test and every benchmark, and print the summary tables last.
+#   device tool:  carry [".whl"], command: bash benchmarks/gpu_check.sh
+# Logs and JSON go to $OUT (or ./gpu_check_out when $OUT is unset).
+set -uo pipefail
+out=${OUT:-gpu_check_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
+
+start=$(date +%s)
+MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1
+build_rc=$?
+echo "build rc=$build_rc ($(( $(date +%s) - start ))s)"
+[ $build_rc -eq 0 ] || { tail -40 "$out/build.log"; exit 1; }
+
+for extra in "$@"; do python3 -X faulthandler "$extra" 2>&1 | tee -a "$out/extra.log"; done
+
+gpu_rc=0
+for f in tests/gpu/test_*.py; do
+  python3 -X faulthandler -m pytest -v --tb=short -m gpu "$f" -p no:cacheprovider >"$out/$(basename "$f" .py).log" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || gpu_rc=$rc
+  echo "$f rc=$rc: $(tail -1 "$out/$(basename "$f" .py).log")"
+  grep -E "^(FAILED|ERROR)|Fatal Python error" "$out/$(basename "$f" .py).log" | head -20
+done
+python3 -m pytest -q tests/unit -p no:cacheprovider 2>&1 | tee "$out/unit_tests.log" | tail -3
+unit_rc=${PIPESTATUS[0]}
+
+python3 benchmarks/bench_fp8_linear.py --json "$out/bench_fp8_linear.json" 2>&1 | tee "$out/bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo
+echo "gpu tests rc=$gpu_rc  unit tests rc=$unit_rc  benchmark rc=$bench_rc"
+[ $gpu_rc -eq 0 ] && [ $unit_rc -eq 0 ] && [ $bench_rc -eq 0 ]
