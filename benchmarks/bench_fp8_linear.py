@@ -32,32 +32,33 @@ SHAPES = {  # name: (in_features K, out_features N), Qwen3-8B
 }
 
 
-def time_once(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def bench(fn, warmup: int = 3, iters: int = 15) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs, each timed with CUDA events."""
+    """Median milliseconds of ``fn`` over ``iters`` runs (see ``bench_interleaved``)."""
     return bench_interleaved({"fn": fn}, warmup, iters)["fn"]
 
 
 def bench_interleaved(fns: dict, warmup: int = 3, iters: int = 15) -> dict:
-    """Median milliseconds of each function, timed round-robin so that clock and power drift over
-    the run affect every variant alike."""
+    """Median milliseconds of each function, each call timed with its own pair of CUDA events.
+
+    Calls are issued back to back and synchronized only at the end, as in training, where the host
+    runs ahead of the GPU: a host-side cost per call (Python, cuBLASLt's heuristic query) counts
+    only if it starves the GPU. Variants are timed round-robin so clock and power drift over the
+    run affect every variant alike.
+    """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
-    times = {name: [] for name in fns}
+    events = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
-            times[name].append(time_once(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
 
 
 def gemm_section(tokens: int) -> list[dict]:
@@ -71,16 +72,18 @@ def gemm_section(tokens: int) -> list[dict]:
         x_row, x_col = q.quantize_groups(x, rowwise=True, columnwise=True)
         dy_row, dy_col = q.quantize_groups(dy, rowwise=True, columnwise=True)
         fw = q.quantize_weight(w)
-        bf16 = {
-            "fprop": bench(lambda: x @ w.t()),
-            "dgrad": bench(lambda: dy @ w),
-            "wgrad": bench(lambda: dy.t() @ x),
-        }
-        fp8 = {
-            "fprop": bench(lambda: fp8_gemm(x_row, fw.fprop, torch.bfloat16, "scaled_mm")),
-            "dgrad": bench(lambda: fp8_gemm(dy_row, fw.dgrad, torch.bfloat16, "scaled_mm")),
-            "wgrad": bench(lambda: fp8_gemm(dy_col, x_col, torch.bfloat16, "scaled_mm")),
-        }
+        t = bench_interleaved(
+            {
+                "bf16 fprop": lambda: x @ w.t(),
+                "bf16 dgrad": lambda: dy @ w,
+                "bf16 wgrad": lambda: dy.t() @ x,
+                "fp8 fprop": lambda: fp8_gemm(x_row, fw.fprop, torch.bfloat16, "scaled_mm"),
+                "fp8 dgrad": lambda: fp8_gemm(dy_row, fw.dgrad, torch.bfloat16, "scaled_mm"),
+                "fp8 wgrad": lambda: fp8_gemm(dy_col, x_col, torch.bfloat16, "scaled_mm"),
+            }
+        )
+        bf16 = {g: t[f"bf16 {g}"] for g in ("fprop", "dgrad", "wgrad")}
+        fp8 = {g: t[f"fp8 {g}"] for g in ("fprop", "dgrad", "wgrad")}
         for gemm in ("fprop", "dgrad", "wgrad"):
             rows.append(
                 {

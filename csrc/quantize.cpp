@@ -13,8 +13,10 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// "[4, 256]". Shapes are formatted here rather than by streaming IntArrayRef into TORCH_CHECK:
-// with torch 2.11 on the GPU host that crashed the process instead of raising.
+// Error messages format numbers with std::to_string, never by streaming them into TORCH_CHECK:
+// on the GPU host (torch 2.11) `ostream << int64_t` inside the extension crashed the process
+// instead of raising, while strings and dtypes were fine.
+// "[4, 256]"
 std::string dims(at::IntArrayRef d) {
   std::string s = "[";
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
@@ -23,7 +25,7 @@ std::string dims(at::IntArrayRef d) {
 
 void check_input(const at::Tensor& x, double eps, const char* op) {
   TORCH_CHECK(x.defined(), op, ": x is undefined");
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K]; got ", x.dim(), "-D shape ", dims(x.sizes()));
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K]; got ", std::to_string(x.dim()), "-D shape ", dims(x.sizes()));
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, op,
               ": x must be bfloat16, float16 or float32; got ", dt);
@@ -35,7 +37,7 @@ void check_input(const at::Tensor& x, double eps, const char* op) {
               ": x is on CUDA but megatron_jetrl._C was built without CUDA kernels; rebuild on a "
               "machine with nvcc and a CUDA build of torch: pip install --no-build-isolation -e .");
 #endif
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0; got ", eps);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0; got ", std::to_string(eps));
   TORCH_CHECK(ceil_div(x.size(0), kBlock) * ceil_div(x.size(1), kBlock) < std::numeric_limits<int32_t>::max(), op,
               ": x has too many 128x128 tiles for one launch: ", dims(x.sizes()));
 }

@@ -2,6 +2,7 @@
 whole Fp8BlockLinear equal the emulation within the GEMM's accumulation error."""
 
 import hashlib
+import warnings
 
 import pytest
 import torch
@@ -95,3 +96,21 @@ def test_fprop_uses_exactly_the_cached_weight_bytes(hopper):
         opt.step()
         opt.zero_grad()
     assert _digest(cache.get(w, q).fprop.data) == _digest(quantize_fp8_blockwise(w.detach(), (128, 128))[0])
+
+
+def test_linear_step_never_synchronizes_the_device(hopper):
+    """A host-device sync in the linear would stall the pipeline every micro-batch."""
+    x = torch.randn(333, 896, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(640, 896, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(333, 640, device="cuda", dtype=torch.bfloat16)
+    cache, q = Fp8WeightCache(), NativeQuantizer()
+    fp8_block_linear(x, w, quantizer=q, cache=cache).backward(dy)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype feature")
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for c in (cache, None):
+            fp8_block_linear(x, w, quantizer=q, cache=c).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
