@@ -22,7 +22,7 @@ except ImportError as e:  # pragma: no cover - exercised only by a broken instal
         "  pip install torch            # the CPU or CUDA build you want\n"
         "  pip install --no-build-isolation -e .\n"
         f"({e})"
-    )
+    ) from e
 
 
 def extension():

@@ -61,89 +61,88 @@ def bench_interleaved(fns: dict, warmup: int = 3, iters: int = 15) -> dict:
     return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
 
 
+def gemm_rows(tokens: int, name: str, K: int, N: int, q: NativeQuantizer) -> list[dict]:
+    x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+    dy = torch.randn(tokens, N, device="cuda", dtype=torch.bfloat16)
+    x_row, x_col = q.quantize_groups(x, rowwise=True, columnwise=True)
+    dy_row, dy_col = q.quantize_groups(dy, rowwise=True, columnwise=True)
+    fw = q.quantize_weight(w)
+    t = bench_interleaved(
+        {
+            "bf16 fprop": lambda: x @ w.t(),
+            "bf16 dgrad": lambda: dy @ w,
+            "bf16 wgrad": lambda: dy.t() @ x,
+            "fp8 fprop": lambda: fp8_gemm(x_row, fw.fprop, torch.bfloat16, "scaled_mm"),
+            "fp8 dgrad": lambda: fp8_gemm(dy_row, fw.dgrad, torch.bfloat16, "scaled_mm"),
+            "fp8 wgrad": lambda: fp8_gemm(dy_col, x_col, torch.bfloat16, "scaled_mm"),
+        }
+    )
+    flop = 2 * tokens * K * N
+    return [
+        {
+            "shape": name,
+            "gemm": gemm,
+            "bf16_tflops": flop / t[f"bf16 {gemm}"] / 1e9,
+            "fp8_tflops": flop / t[f"fp8 {gemm}"] / 1e9,
+            "speedup": t[f"bf16 {gemm}"] / t[f"fp8 {gemm}"],
+            "bf16_ms": t[f"bf16 {gemm}"],
+            "fp8_ms": t[f"fp8 {gemm}"],
+        }
+        for gemm in ("fprop", "dgrad", "wgrad")
+    ]
+
+
 def gemm_section(tokens: int) -> list[dict]:
-    rows = []
     q = NativeQuantizer()
-    for name, (K, N) in SHAPES.items():
-        x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
-        dy = torch.randn(tokens, N, device="cuda", dtype=torch.bfloat16)
-        flop = 2 * tokens * K * N
-        x_row, x_col = q.quantize_groups(x, rowwise=True, columnwise=True)
-        dy_row, dy_col = q.quantize_groups(dy, rowwise=True, columnwise=True)
-        fw = q.quantize_weight(w)
-        t = bench_interleaved(
-            {
-                "bf16 fprop": lambda: x @ w.t(),
-                "bf16 dgrad": lambda: dy @ w,
-                "bf16 wgrad": lambda: dy.t() @ x,
-                "fp8 fprop": lambda: fp8_gemm(x_row, fw.fprop, torch.bfloat16, "scaled_mm"),
-                "fp8 dgrad": lambda: fp8_gemm(dy_row, fw.dgrad, torch.bfloat16, "scaled_mm"),
-                "fp8 wgrad": lambda: fp8_gemm(dy_col, x_col, torch.bfloat16, "scaled_mm"),
-            }
-        )
-        bf16 = {g: t[f"bf16 {g}"] for g in ("fprop", "dgrad", "wgrad")}
-        fp8 = {g: t[f"fp8 {g}"] for g in ("fprop", "dgrad", "wgrad")}
-        for gemm in ("fprop", "dgrad", "wgrad"):
-            rows.append(
-                {
-                    "shape": name,
-                    "gemm": gemm,
-                    "bf16_tflops": flop / bf16[gemm] / 1e9,
-                    "fp8_tflops": flop / fp8[gemm] / 1e9,
-                    "speedup": bf16[gemm] / fp8[gemm],
-                    "bf16_ms": bf16[gemm],
-                    "fp8_ms": fp8[gemm],
-                }
-            )
-        del x, w, dy, x_row, x_col, dy_row, dy_col, fw
-        torch.cuda.empty_cache()
+    rows = [row for name, (K, N) in SHAPES.items() for row in gemm_rows(tokens, name, K, N, q)]
+    torch.cuda.empty_cache()
     return rows
+
+
+def linear_row(tokens: int, name: str, K: int, N: int, q: NativeQuantizer) -> dict:
+    x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    # Megatron's model parameters are BF16 (fp32 master copies live in the optimizer), so both
+    # paths take the same BF16 weight and produce a BF16 weight gradient.
+    w = (torch.randn(N, K, device="cuda") * K**-0.5).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(tokens, N, device="cuda", dtype=torch.bfloat16)
+    cache = Fp8WeightCache()
+    t = bench_interleaved(
+        {
+            "bf16": lambda: torch.nn.functional.linear(x, w).backward(dy),
+            "requant": lambda: fp8_block_linear(x, w, quantizer=q).backward(dy),
+            "cached": lambda: fp8_block_linear(x, w, quantizer=q, cache=cache).backward(dy),
+        },
+        iters=21,
+    )
+    return {
+        "shape": name,
+        "bf16_ms": t["bf16"],
+        "fp8_ms_weight_quant": t["requant"],
+        "fp8_ms_weight_cached": t["cached"],
+        "speedup_weight_quant": t["bf16"] / t["requant"],
+        "speedup_weight_cached": t["bf16"] / t["cached"],
+    }
 
 
 def linear_section(tokens: int) -> list[dict]:
-    rows = []
     q = NativeQuantizer()
+    rows = []
     for name, (K, N) in SHAPES.items():
-        x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        # Megatron's model parameters are BF16 (fp32 master copies live in the optimizer), so both
-        # paths take the same BF16 weight and produce a BF16 weight gradient.
-        w = (torch.randn(N, K, device="cuda") * K**-0.5).to(torch.bfloat16).requires_grad_()
-        dy = torch.randn(tokens, N, device="cuda", dtype=torch.bfloat16)
-        cache = Fp8WeightCache()
-
-        def bf16_step():
-            torch.nn.functional.linear(x, w).backward(dy)
-
-        def fp8_step_requant():
-            fp8_block_linear(x, w, quantizer=q).backward(dy)
-
-        def fp8_step_cached():
-            fp8_block_linear(x, w, quantizer=q, cache=cache).backward(dy)
-
-        t = bench_interleaved({"bf16": bf16_step, "requant": fp8_step_requant, "cached": fp8_step_cached}, iters=21)
-        t_bf16, t_requant, t_cached = t["bf16"], t["requant"], t["cached"]
-        rows.append(
-            {
-                "shape": name,
-                "bf16_ms": t_bf16,
-                "fp8_ms_weight_quant": t_requant,
-                "fp8_ms_weight_cached": t_cached,
-                "speedup_weight_quant": t_bf16 / t_requant,
-                "speedup_weight_cached": t_bf16 / t_cached,
-            }
-        )
-        del x, w, dy, cache
+        rows.append(linear_row(tokens, name, K, N, q))
         torch.cuda.empty_cache()
     return rows
 
 
-def quant_section(tokens: int) -> tuple[float, list[dict]]:
+def copy_gbs() -> float:
+    """Device-to-device copy of 1 GiB: bytes read + written per second, the bandwidth ceiling."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    t_copy = bench(lambda: dst.copy_(src))
-    copy_gbs = 2 * src.numel() / t_copy / 1e6
-    del src, dst
+    return 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e6
+
+
+def quant_section(tokens: int) -> tuple[float, list[dict]]:
+    copy = copy_gbs()
     rows = []
     x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(tokens, 24576, device="cuda", dtype=torch.bfloat16)
@@ -177,8 +176,8 @@ def quant_section(tokens: int) -> tuple[float, list[dict]]:
         ms = bench(fn)
         gbs = nbytes / ms / 1e6
         rows.append({"kernel": name, "shape": f"{M}x{K} {str(t.dtype).split('.')[-1]}", "ms": ms, "gbs": gbs,
-                     "of_copy": gbs / copy_gbs})
-    return copy_gbs, rows
+                     "of_copy": gbs / copy})
+    return copy, rows
 
 
 def profile_section(tokens: int, shape: str) -> list[tuple[str, float, int]]:
@@ -237,15 +236,16 @@ def main(argv=None) -> int:
     linears = linear_section(args.tokens)
     print("\n== Linear forward+backward incl. quantization (ms) ==")
     print(f"{'shape':<8} {'bf16':>7} {'fp8+wq':>7} {'fp8':>7} {'speedup+wq':>11} {'speedup':>8}")
-    for r in linears:
+    keys = ("bf16_ms", "fp8_ms_weight_quant", "fp8_ms_weight_cached")
+    total = {"shape": "layer", **{k: sum(r[k] for r in linears) for k in keys}}
+    total["speedup_weight_quant"] = total["bf16_ms"] / total["fp8_ms_weight_quant"]
+    total["speedup_weight_cached"] = total["bf16_ms"] / total["fp8_ms_weight_cached"]
+    for r in [*linears, total]:
         print(f"{r['shape']:<8} {r['bf16_ms']:7.3f} {r['fp8_ms_weight_quant']:7.3f} {r['fp8_ms_weight_cached']:7.3f} "
               f"{r['speedup_weight_quant']:10.2f}x {r['speedup_weight_cached']:7.2f}x")
-    total = {k: sum(r[k] for r in linears) for k in ("bf16_ms", "fp8_ms_weight_quant", "fp8_ms_weight_cached")}
-    print(f"{'layer':<8} {total['bf16_ms']:7.3f} {total['fp8_ms_weight_quant']:7.3f} {total['fp8_ms_weight_cached']:7.3f} "
-          f"{total['bf16_ms'] / total['fp8_ms_weight_quant']:10.2f}x {total['bf16_ms'] / total['fp8_ms_weight_cached']:7.2f}x")
 
-    copy_gbs, quants = quant_section(args.tokens)
-    print(f"\n== Quantization kernels (device copy: {copy_gbs:.0f} GB/s read+write) ==")
+    copy, quants = quant_section(args.tokens)
+    print(f"\n== Quantization kernels (device copy: {copy:.0f} GB/s read+write) ==")
     print(f"{'kernel':<28} {'input':<20} {'ms':>7} {'GB/s':>7} {'of copy':>8}")
     for r in quants:
         print(f"{r['kernel']:<28} {r['shape']:<20} {r['ms']:7.3f} {r['gbs']:7.0f} {r['of_copy']:7.0%}")
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "tokens": args.tokens, "gemm": gemms,
-                       "linear": linears, "copy_gbs": copy_gbs, "quant": quants,
+                       "linear": linears, "copy_gbs": copy, "quant": quants,
                        "profile": [{"kernel": k, "ms": ms, "calls": c} for k, ms, c in profile]}, f, indent=1)
     return 0
 

@@ -42,6 +42,16 @@ void check_input(const at::Tensor& x, double eps, const char* op) {
               ": x has too many 128x128 tiles for one launch: ", dims(x.sizes()));
 }
 
+QuantizeArgs input_args(const at::Tensor& x, bool pow2_scales, double eps) {
+  QuantizeArgs args;
+  args.x = x.data_ptr();
+  args.M = x.size(0);
+  args.K = x.size(1);
+  args.pow2 = pow2_scales;
+  args.eps = static_cast<float>(eps);
+  return args;
+}
+
 void launch(const QuantizeArgs& args, const at::Tensor& x) {
   if (args.M == 0 || args.K == 0) return;
 #ifdef JETRL_WITH_CUDA
@@ -63,12 +73,7 @@ std::vector<at::Tensor> quantize_1x128(const at::Tensor& x, bool rowwise, bool c
   const auto codes = x.options().dtype(at::kFloat8_e4m3fn);
   const auto scales = x.options().dtype(at::kFloat);
   at::Tensor q, s_row, qt, s_col;
-  QuantizeArgs args;
-  args.x = x.data_ptr();
-  args.M = M;
-  args.K = K;
-  args.pow2 = pow2_scales;
-  args.eps = static_cast<float>(eps);
+  QuantizeArgs args = input_args(x, pow2_scales, eps);
   if (rowwise) {
     q = at::empty({M, K}, codes);
     s_row = at::empty({ceil_div(K, kBlock), M}, scales);
@@ -91,12 +96,7 @@ std::vector<at::Tensor> quantize_128x128(const at::Tensor& x, bool with_transpos
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kFloat8_e4m3fn));
   at::Tensor s = at::empty({ceil_div(M, kBlock), ceil_div(K, kBlock)}, x.options().dtype(at::kFloat));
   at::Tensor qt;
-  QuantizeArgs args;
-  args.x = x.data_ptr();
-  args.M = M;
-  args.K = K;
-  args.pow2 = pow2_scales;
-  args.eps = static_cast<float>(eps);
+  QuantizeArgs args = input_args(x, pow2_scales, eps);
   args.q = static_cast<uint8_t*>(q.data_ptr());
   args.s_blk = s.data_ptr<float>();
   if (with_transpose) {

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from megatron_jetrl.ops import quantize_1x128, quantize_128x128
+from megatron_jetrl.precision import quantize_fp8_blockwise
+
 
 def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """Codes equal byte for byte; fp32 scales equal bit for bit, NaN where the other has NaN
     (NaN payloads carry no meaning and are not compared)."""
-    assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    shapes = tuple(actual.shape), tuple(expected.shape)
+    assert shapes[0] == shapes[1], f"{what}: shape {shapes[0]} != {shapes[1]}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     a, e = actual.detach().cpu().contiguous(), expected.detach().cpu().contiguous()
     if a.dtype == torch.float8_e4m3fn:
@@ -58,3 +62,33 @@ def adversarial_matrix(dtype: torch.dtype) -> torch.Tensor:
     x[258, 388] = float("-inf")
     x[0:128, 384:389] = 0.0
     return x.to(dtype)
+
+
+def assert_kernels_match_reference(x: torch.Tensor, pow2: bool, eps: float, references=None) -> None:
+    """Every output of both kernels, in every mode, equals ``quantize_fp8_blockwise`` of each
+    tensor in ``references`` (default: x itself; the GPU tests add x.cpu())."""
+    kw = {"pow2_scales": pow2, "eps": eps}
+    row, col = quantize_1x128(x, rowwise=True, columnwise=True, **kw)
+    only_row, none_col = quantize_1x128(x, rowwise=True, columnwise=False, **kw)
+    none_row, only_col = quantize_1x128(x, rowwise=False, columnwise=True, **kw)
+    assert none_col is None and none_row is None
+    assert row.block_shape == col.block_shape == (1, 128)
+    blocks, transposed = quantize_128x128(x, with_transpose=True, **kw)
+    only_blocks, none_t = quantize_128x128(x, with_transpose=False, **kw)
+    assert none_t is None
+    for ref in references if references is not None else (x,):
+        data, scale = quantize_fp8_blockwise(ref, (1, 128), **kw)
+        data_t, scale_t = quantize_fp8_blockwise(ref.t(), (1, 128), **kw)
+        for got, what in ((row, "rowwise"), (only_row, "rowwise-only")):
+            assert_same_bytes(got.data, data, f"{what} codes")
+            assert_same_bytes(got.scale_inv, scale, f"{what} scale_inv")
+        for got, what in ((col, "columnwise"), (only_col, "columnwise-only")):
+            assert_same_bytes(got.data, data_t, f"{what} codes")
+            assert_same_bytes(got.scale_inv, scale_t, f"{what} scale_inv")
+        data, scale = quantize_fp8_blockwise(ref, (128, 128), **kw)
+        data_t, scale_t = quantize_fp8_blockwise(ref.t(), (128, 128), **kw)
+        for got, what in ((blocks, "block"), (only_blocks, "block without transpose")):
+            assert_same_bytes(got.data, data, f"{what} codes")
+            assert_same_bytes(got.scale_inv, scale, f"{what} scale_inv")
+        assert_same_bytes(transposed.data, data_t, "transposed block codes")
+        assert_same_bytes(transposed.scale_inv, scale_t, "transposed block scale_inv")

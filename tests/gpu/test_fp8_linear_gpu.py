@@ -28,7 +28,8 @@ def test_native_quantizer_equals_reference_quantizer():
     x = torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(6144, 4096, device="cuda", dtype=torch.float32) * 0.02
     native, ref = NativeQuantizer(), ReferenceQuantizer()
-    for a, b in zip(native.quantize_groups(x, rowwise=True, columnwise=True), ref.quantize_groups(x, rowwise=True, columnwise=True)):
+    groups = [q.quantize_groups(x, rowwise=True, columnwise=True) for q in (native, ref)]
+    for a, b in zip(*groups, strict=True):
         assert_same_bytes(a.data, b.data, "groups codes")
         assert_same_bytes(a.scale_inv, b.scale_inv, "groups scale_inv")
     nw, rw = native.quantize_weight(w), ref.quantize_weight(w)
@@ -72,7 +73,7 @@ def test_linear_on_hopper_equals_emulation(hopper, shape):
         y = fp8_block_linear(x, w, quantizer=NativeQuantizer(), gemm=gemm)
         y.backward(dy)
         results[gemm] = (y.float(), x.grad.float(), w.grad.float())
-    for name, fast, emu in zip(("y", "dx", "dw"), results["scaled_mm"], results["emulate"]):
+    for name, fast, emu in zip(("y", "dx", "dw"), results["scaled_mm"], results["emulate"], strict=True):
         rel = ((fast - emu).norm() / emu.norm()).item()
         assert rel < 4e-3, f"{name}: relative difference {rel:.2e} between scaled_mm and emulation"
 
@@ -84,7 +85,7 @@ def test_fprop_uses_exactly_the_cached_weight_bytes(hopper):
     w = torch.nn.Parameter(torch.randn(1024, 512, device="cuda") * 0.05)
     cache, q = Fp8WeightCache(), NativeQuantizer()
     opt = torch.optim.SGD([w], lr=0.1)
-    for step in range(2):
+    for _ in range(2):
         seen = []
         for _ in range(3):
             x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from megatron_jetrl.ops import cuda_kernels_available, quantize_1x128, quantize_128x128
-from megatron_jetrl.precision import quantize_fp8_blockwise
-from tests.helpers import adversarial_matrix, assert_same_bytes
+from tests.helpers import adversarial_matrix, assert_kernels_match_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -17,42 +16,13 @@ def test_extension_has_cuda_kernels():
     assert cuda_kernels_available(), "megatron_jetrl._C was built without CUDA; rebuild on the GPU host"
 
 
-def _check_1x128(x, pow2, eps):
-    row, col = quantize_1x128(x, rowwise=True, columnwise=True, pow2_scales=pow2, eps=eps)
-    for device_ref in (x, x.cpu()):
-        data, scale = quantize_fp8_blockwise(device_ref, (1, 128), pow2_scales=pow2, eps=eps)
-        assert_same_bytes(row.data, data, "rowwise codes")
-        assert_same_bytes(row.scale_inv, scale, "rowwise scale_inv")
-        data_t, scale_t = quantize_fp8_blockwise(device_ref.t(), (1, 128), pow2_scales=pow2, eps=eps)
-        assert_same_bytes(col.data, data_t, "columnwise codes")
-        assert_same_bytes(col.scale_inv, scale_t, "columnwise scale_inv")
-    only_row, none = quantize_1x128(x, rowwise=True, columnwise=False, pow2_scales=pow2, eps=eps)
-    assert none is None
-    assert_same_bytes(only_row.data, row.data, "rowwise-only codes")
-    none, only_col = quantize_1x128(x, rowwise=False, columnwise=True, pow2_scales=pow2, eps=eps)
-    assert none is None
-    assert_same_bytes(only_col.data, col.data, "columnwise-only codes")
-
-
-def _check_128x128(x, pow2, eps):
-    blocks, transposed = quantize_128x128(x, with_transpose=True, pow2_scales=pow2, eps=eps)
-    for device_ref in (x, x.cpu()):
-        data, scale = quantize_fp8_blockwise(device_ref, (128, 128), pow2_scales=pow2, eps=eps)
-        assert_same_bytes(blocks.data, data, "block codes")
-        assert_same_bytes(blocks.scale_inv, scale, "block scale_inv")
-        data_t, scale_t = quantize_fp8_blockwise(device_ref.t(), (128, 128), pow2_scales=pow2, eps=eps)
-        assert_same_bytes(transposed.data, data_t, "transposed block codes")
-        assert_same_bytes(transposed.scale_inv, scale_t, "transposed block scale_inv")
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pow2", [False, True])
 def test_random_inputs_match_reference(dtype, shape, pow2):
     g = torch.Generator(device="cuda").manual_seed(hash((shape, pow2)) % 2**31)
     x = (torch.randn(shape, device="cuda", generator=g) * torch.rand(1, device="cuda", generator=g) * 50).to(dtype)
-    _check_1x128(x, pow2, 0.0)
-    _check_128x128(x, pow2, 0.0)
+    assert_kernels_match_reference(x, pow2, 0.0, (x, x.cpu()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -60,21 +30,19 @@ def test_random_inputs_match_reference(dtype, shape, pow2):
 @pytest.mark.parametrize("pow2", [False, True])
 def test_adversarial_inputs_match_reference(dtype, eps, pow2):
     x = adversarial_matrix(dtype).cuda()
-    _check_1x128(x, pow2, eps)
-    _check_128x128(x, pow2, eps)
+    assert_kernels_match_reference(x, pow2, eps, (x, x.cpu()))
 
 
 def test_misaligned_input_takes_scalar_path():
     buf = torch.randn(300 * 256 + 1, device="cuda", dtype=torch.bfloat16)
     x = buf[1:].view(300, 256)
     assert x.data_ptr() % 16 != 0 and x.is_contiguous()
-    _check_1x128(x, False, 0.0)
-    _check_128x128(x, False, 0.0)
+    assert_kernels_match_reference(x, False, 0.0, (x, x.cpu()))
 
 
 def test_large_activation_matches_reference():
     x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
-    _check_1x128(x, False, 0.0)
+    assert_kernels_match_reference(x, False, 0.0, (x, x.cpu()))
 
 
 @pytest.mark.parametrize(

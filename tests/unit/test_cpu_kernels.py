@@ -5,42 +5,10 @@ import torch
 
 from megatron_jetrl.ops import NativeQuantizer, load_extension, quantize_1x128, quantize_128x128
 from megatron_jetrl.precision import Fp8Tensor, ReferenceQuantizer, quantize_fp8_blockwise, transpose_blocks
-from tests.helpers import adversarial_matrix, assert_same_bytes
+from tests.helpers import adversarial_matrix, assert_kernels_match_reference, assert_same_bytes
 
 SHAPES = [(1, 1), (1, 128), (128, 128), (5, 300), (300, 5), (257, 129), (129, 1), (200, 384)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def _check_1x128(x, pow2, eps):
-    row, col = quantize_1x128(x, rowwise=True, columnwise=True, pow2_scales=pow2, eps=eps)
-    data, scale = quantize_fp8_blockwise(x, (1, 128), pow2_scales=pow2, eps=eps)
-    assert_same_bytes(row.data, data, "rowwise codes")
-    assert_same_bytes(row.scale_inv, scale, "rowwise scale_inv")
-    data_t, scale_t = quantize_fp8_blockwise(x.t(), (1, 128), pow2_scales=pow2, eps=eps)
-    assert_same_bytes(col.data, data_t, "columnwise codes")
-    assert_same_bytes(col.scale_inv, scale_t, "columnwise scale_inv")
-    assert row.block_shape == col.block_shape == (1, 128)
-    only_row, none = quantize_1x128(x, rowwise=True, columnwise=False, pow2_scales=pow2, eps=eps)
-    assert none is None
-    assert_same_bytes(only_row.data, data, "rowwise-only codes")
-    assert_same_bytes(only_row.scale_inv, scale, "rowwise-only scale_inv")
-    none, only_col = quantize_1x128(x, rowwise=False, columnwise=True, pow2_scales=pow2, eps=eps)
-    assert none is None
-    assert_same_bytes(only_col.data, data_t, "columnwise-only codes")
-    assert_same_bytes(only_col.scale_inv, scale_t, "columnwise-only scale_inv")
-
-
-def _check_128x128(x, pow2, eps):
-    blocks, transposed = quantize_128x128(x, with_transpose=True, pow2_scales=pow2, eps=eps)
-    data, scale = quantize_fp8_blockwise(x, (128, 128), pow2_scales=pow2, eps=eps)
-    assert_same_bytes(blocks.data, data, "block codes")
-    assert_same_bytes(blocks.scale_inv, scale, "block scale_inv")
-    data_t, scale_t = quantize_fp8_blockwise(x.t(), (128, 128), pow2_scales=pow2, eps=eps)
-    assert_same_bytes(transposed.data, data_t, "transposed block codes")
-    assert_same_bytes(transposed.scale_inv, scale_t, "transposed block scale_inv")
-    only, none = quantize_128x128(x, with_transpose=False, pow2_scales=pow2, eps=eps)
-    assert none is None
-    assert_same_bytes(only.data, data, "block codes without transpose")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,8 +18,7 @@ def _check_128x128(x, pow2, eps):
 def test_random_inputs_match_reference(dtype, shape, pow2, eps):
     g = torch.Generator().manual_seed(shape[0] * 7919 + shape[1] + pow2)
     x = (torch.randn(shape, generator=g) * torch.logspace(-5, 2, shape[1]) * 50).to(dtype)
-    _check_1x128(x, pow2, eps)
-    _check_128x128(x, pow2, eps)
+    assert_kernels_match_reference(x, pow2, eps)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -60,8 +27,7 @@ def test_random_inputs_match_reference(dtype, shape, pow2, eps):
 def test_adversarial_inputs_match_reference(dtype, eps, pow2):
     """Zeros, -0.0, dtype max, subnormals, ties and NaN/Inf blocks: the cases a kernel gets wrong."""
     x = adversarial_matrix(dtype)
-    _check_1x128(x, pow2, eps)
-    _check_128x128(x, pow2, eps)
+    assert_kernels_match_reference(x, pow2, eps)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 300), (257, 129)])
@@ -144,7 +110,7 @@ def test_native_quantizer_equals_reference_quantizer(pow2, eps):
         got, want = native.quantize_groups(x, rowwise=rowwise, columnwise=columnwise), ref.quantize_groups(
             x, rowwise=rowwise, columnwise=columnwise
         )
-        for g, w, what in zip(got, want, ("rowwise", "columnwise")):
+        for g, w, what in zip(got, want, ("rowwise", "columnwise"), strict=True):
             assert (g is None) == (w is None), what
             if w is not None:
                 assert g.block_shape == w.block_shape

@@ -198,7 +198,7 @@ def test_backward_twice_with_retain_graph():
     y.backward(dy, retain_graph=True)
     first = [t.grad.clone() for t in (x, w, b)]
     y.backward(dy)
-    for t, g, what in zip((x, w, b), first, ("dx", "dW", "db")):
+    for t, g, what in zip((x, w, b), first, ("dx", "dW", "db"), strict=True):
         assert torch.equal(t.grad, g + g), what
 
 
@@ -332,5 +332,5 @@ def test_reference_and_native_quantizers_give_identical_linears(pow2, w_dtype):
         y = fp8_block_linear(x, w, b, quantizer=quantizer, cache=Fp8WeightCache(), gemm="emulate")
         y.backward(dy)
         outs.append((y, x.grad, w.grad, b.grad))
-    for ref, native, what in zip(*outs, ("y", "dx", "dW", "db")):
+    for ref, native, what in zip(*outs, ("y", "dx", "dW", "db"), strict=True):
         assert torch.equal(ref, native), what
