@@ -58,6 +58,7 @@ setup(
         "transformers",
         "pyyaml",
         "rich",
+        "psutil",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.9"],

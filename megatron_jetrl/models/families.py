@@ -1,0 +1,65 @@
+"""The supported architecture families: what each reads differently from its config."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from megatron_jetrl.config import ConfigError
+from megatron_jetrl.models.bridge import ModelBridge
+
+# megatron-core's llama3 rope scaling (RotaryEmbedding._apply_scaling) hard-codes these.
+_MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class LlamaBridge(ModelBridge):
+    """Llama 2/3.x: optional attention bias, llama3 rope scaling, tied embeddings in the 1B/3B."""
+
+    architecture = "LlamaForCausalLM"
+    model_type = "llama"
+
+    def _read_dims(self, c: dict):
+        if c.get("mlp_bias"):
+            raise ConfigError("config.json:mlp_bias", True, "MLP biases are not supported")
+        return super()._read_dims(c)
+
+    def _rope_scaling_factor(self, scaling: Mapping[str, Any] | None) -> float | None:
+        if not scaling:
+            return None
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise ConfigError("config.json:rope_scaling.rope_type", kind, "only 'llama3' rope scaling is supported")
+        for key, expected in _MCORE_LLAMA3_ROPE.items():
+            if float(scaling.get(key, expected)) != expected:
+                raise ConfigError(f"config.json:rope_scaling.{key}", scaling.get(key),
+                                  f"megatron-core's llama3 rope scaling fixes it to {expected}")
+        return float(scaling["factor"])
+
+
+class Qwen2Bridge(ModelBridge):
+    """Qwen2 / Qwen2.5: QKV biases always, tied embeddings in the small models, no sliding window."""
+
+    architecture = "Qwen2ForCausalLM"
+    model_type = "qwen2"
+
+    def _read_dims(self, c: dict):
+        if c.get("use_sliding_window"):
+            raise ConfigError("config.json:use_sliding_window", True, "sliding-window attention is not supported")
+        return super()._read_dims(c)
+
+    def _qkv_bias(self, c: dict) -> bool:
+        return True
+
+
+class Qwen3Bridge(ModelBridge):
+    """Qwen3 dense: RMSNorm on q and k per head (qk-norm), explicit head_dim, no QKV bias."""
+
+    architecture = "Qwen3ForCausalLM"
+    model_type = "qwen3"
+
+    def _read_dims(self, c: dict):
+        if c.get("use_sliding_window"):
+            raise ConfigError("config.json:use_sliding_window", True, "sliding-window attention is not supported")
+        return super()._read_dims(c)
+
+    def _qk_norm(self, c: dict) -> bool:
+        return True
