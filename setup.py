@@ -58,7 +58,6 @@ setup(
         "transformers",
         "pyyaml",
         "rich",
-        "psutil",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.9"],

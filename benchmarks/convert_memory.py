@@ -62,6 +62,7 @@ def main() -> int:
     print(f"model: Llama-3.2-1B shapes, {args.layers} layers, {nbytes / 2**30:.2f} GiB of bf16 weights", flush=True)
     rows = []
     for name, argv in (
+        ("imports only (--help)", ["tools/convert_hf_to_megatron.py", "--help"]),
         ("HF -> Megatron", ["tools/convert_hf_to_megatron.py", "--hf-dir", str(work / "hf"), "--out-dir",
                             str(work / "mg")]),
         ("Megatron -> HF", ["tools/convert_megatron_to_hf.py", "--ckpt-dir", str(work / "mg"), "--out-dir",

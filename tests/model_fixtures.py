@@ -6,6 +6,7 @@ padding is exercised; 4 KV heads allow TP up to 4.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -53,3 +54,11 @@ def save_tiny_hf(
     model = tiny_hf_model(arch, num_layers)
     model.save_pretrained(directory, max_shard_size=shard_size)
     return model
+
+
+def load_tool(name: str):
+    """``main`` of ``tools/<name>.py`` (the tools are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main

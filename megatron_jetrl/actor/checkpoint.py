@@ -9,40 +9,52 @@ model built at any TP/PP (local or Transformer Engine layer spec) loads it:
   TP size gets its [gate_r; up_r];
 - embedding and output layer allow a shape mismatch, so the vocab padding (128 here, 128 x TP in
   the model) is reconciled on load;
-- the modules' ``_extra_state`` entries GPTModel requests are stored empty.
+- the modules' ``_extra_state`` objects GPTModel requests are stored empty (``[None]``).
 
-Reading back goes one checkpoint key (all layers of it) at a time; writing is one save of the
-whole model (megatron-core's writer takes the full state dict).
+Writing streams: megatron-core's own writer resolves every tensor before writing any, so the
+converter writes the same on-disk format (torch.distributed.checkpoint files, ``common.pt``,
+``metadata.json``) through DCP with a planner that converts each chunk only when it is written:
+one decoder layer's tensor per key, and the vocab tensors in row blocks. Reading back goes one
+checkpoint key (all layers of it) at a time.
 
 Next to the tensors, ``hf/`` keeps the source config.json and tokenizer files.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_jetrl.models import ModelBridge, TensorSpec, bridge_for
-from megatron_jetrl.models.fp8_export import check_fp8_exportable, fp8_hf_config, to_fp8_block
+from megatron_jetrl.models.fp8_export import check_fp8_exportable, fp8_hf_config, fp8_plan, to_fp8_block
 from megatron_jetrl.models.hf_checkpoint import (
     CheckpointError,
     HFCheckpoint,
-    ShardedSafetensorsWriter,
     TOKENIZER_FILES,
+    StreamingSafetensorsWriter,
 )
 from megatron_jetrl.precision import PrecisionRecipe
 
 HF_DIR = "hf"
 LAYER_PREFIX = "decoder.layers."
+VOCAB_CHUNK_BYTES = 64 * 2**20
+"""Row-block size of the embedding / output layer when streamed (a decoder layer's order)."""
+MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                  "common_backend": "torch", "common_backend_version": 1}
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 _QK_NORM_MODULES = ("self_attention.q_layernorm", "self_attention.k_layernorm")
 
@@ -72,31 +84,24 @@ def sharded_tensor(spec: TensorSpec, local: torch.Tensor, num_layers: int, tp_ra
     return apply_swiglu_sharded_factory(sh, (layer_axis,)) if spec.fuse == "fc1" else sh
 
 
-def extra_state_objects(bridge: ModelBridge) -> dict[str, ShardedObject]:
-    """The (empty) ``_extra_state`` entries GPTModel requests with either layer spec."""
+def _extra_state_keys(bridge: ModelBridge) -> list[str]:
+    """Storage keys of the (empty) ``_extra_state`` objects GPTModel requests with either layer spec:
+    megatron-core stores a ShardedObject under ``<key>/shard_<offset>_<global shape>``."""
     n = bridge.dims.num_layers
     modules = _LINEAR_MODULES + (_QK_NORM_MODULES if bridge.dims.qk_norm else ())
-    objs = {
-        f"{LAYER_PREFIX}{i}.{m}._extra_state": ShardedObject(f"{LAYER_PREFIX}{m}._extra_state", None, (n,), (i,),
-                                                            replica_id=(0, 0, 0))
-        for i in range(n)
-        for m in modules
-    }
-    key = "decoder.final_layernorm._extra_state"
-    objs[key] = ShardedObject(key, None, (1,), (0,), replica_id=(0, 0, 0))
-    return objs
+    keys = [f"{LAYER_PREFIX}{m}._extra_state/shard_{i}_{n}" for i in range(n) for m in modules]
+    return keys + ["decoder.final_layernorm._extra_state/shard_0_1"]
 
 
 @contextmanager
 def single_process_group() -> Iterator[None]:
-    """dist_checkpointing needs torch.distributed: a one-process gloo group unless one exists."""
+    """dist_checkpointing.load needs torch.distributed: a one-process gloo group unless one exists."""
     created = not torch.distributed.is_initialized()
     if created:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    _cpu_only_torch_workarounds()
     try:
         yield
     finally:
@@ -104,40 +109,106 @@ def single_process_group() -> Iterator[None]:
             torch.distributed.destroy_process_group()
 
 
-def _cpu_only_torch_workarounds() -> None:
-    """megatron-core 0.16's torch_dist writer assumes CUDA: it synchronizes the device after staging
-    tensors and broadcasts its failure flag from a CUDA tensor. On a CPU-only torch (a login node,
-    CI) both raise, so the converter replaces exactly those two steps with CPU equivalents."""
-    if torch.cuda.is_available():
-        return
-    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-    from torch.distributed.checkpoint import CheckpointException
-    from torch.distributed.checkpoint.utils import _get_failure_dict
+class _Chunk:
+    """One stored chunk of a checkpoint key, produced on demand."""
 
-    preload = FileSystemWriterAsync.preload_tensors
-    if getattr(preload, "_jetrl_cpu", False):
-        return
+    def __init__(self, key: str, global_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...],
+                 dtype: torch.dtype, produce: Callable[[], torch.Tensor]):
+        self.key, self.global_shape, self.offset, self.shape = key, global_shape, offset, shape
+        self.dtype, self.produce = dtype, produce
 
-    def preload_tensors(write_buckets, non_blocking=True):
-        return preload(write_buckets, non_blocking=False)
 
-    preload_tensors._jetrl_cpu = True
-    FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors)
+class _StreamingPlanner(DefaultSavePlanner):
+    """Plans the write from chunk descriptions and converts each chunk only in ``resolve_data``,
+    when DCP writes it, so memory holds about one chunk per key rather than the model."""
 
-    def save_state_dict_async_finalize(storage_writer, global_metadata, dist_wrapper):
-        results = dist_wrapper.gather_object(storage_writer.retrieve_write_results())
-        failures = {}
-        if dist_wrapper.is_coordinator:
-            failures = _get_failure_dict(results)
-            if not failures:
-                storage_writer.finish(global_metadata, results)
-        flag = torch.tensor([int(bool(failures))], dtype=torch.int)
-        torch.distributed.broadcast(flag, src=dist_wrapper.coordinator_rank, group=dist_wrapper.group)
-        if flag.item():
-            raise CheckpointException("write", failures)
+    def __init__(self, chunks: list[_Chunk], objects: list[str], on_chunk: Callable[[], None]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = {(c.key, c.offset): c for c in chunks}
+        self.objects = objects
+        self.on_chunk = on_chunk
 
-    mcore_torch.save_state_dict_async_finalize = save_state_dict_async_finalize
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]
+        for c in self.chunks.values():
+            items.append(WriteItem(
+                index=MetadataIndex(c.key, torch.Size(c.offset)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offset), sizes=torch.Size(c.shape)),
+                    properties=TensorProperties(dtype=c.dtype),
+                    size=torch.Size(c.global_shape),
+                ),
+            ))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save([None], buf)  # megatron-core stores a list of the objects' data
+            return buf
+        chunk = self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        data = chunk.produce()
+        if tuple(data.shape) != chunk.shape or data.dtype != chunk.dtype:
+            raise CheckpointError(f"{chunk.key}: produced {tuple(data.shape)} {data.dtype}, planned "
+                                  f"{chunk.shape} {chunk.dtype}")
+        self.on_chunk()
+        return data
+
+
+def _chunks(bridge: ModelBridge, hf: HFCheckpoint) -> list[_Chunk]:
+    n = bridge.dims.num_layers
+    chunks = []
+    for spec in bridge.tensor_map():
+        dtype = hf.get(spec.hf[0], rows=(0, 0)).dtype
+        key = checkpoint_key(spec)
+        if spec.layer is not None:
+            chunks.append(_Chunk(key, (n, *spec.shape), (spec.layer,) + (0,) * len(spec.shape), (1, *spec.shape),
+                                 dtype, lambda s=spec: bridge.to_megatron(s, hf.get).unsqueeze(0).contiguous()))
+        elif spec.fuse == "vocab":
+            rows, width = spec.shape
+            step = max(1, VOCAB_CHUNK_BYTES // (width * dtype.itemsize))
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                chunks.append(_Chunk(key, spec.shape, (r0, 0), (r1 - r0, width), dtype,
+                                     lambda s=spec, a=r0, b=r1: _vocab_rows(bridge, hf, s, a, b)))
+        else:
+            chunks.append(_Chunk(key, spec.shape, (0,) * len(spec.shape), spec.shape, dtype,
+                                 lambda s=spec: bridge.to_megatron(s, hf.get).contiguous()))
+    return chunks
+
+
+def _vocab_rows(bridge: ModelBridge, hf: HFCheckpoint, spec: TensorSpec, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of the padded embedding / output layer, reading only those rows."""
+    name, vocab = spec.hf[0], bridge.dims.vocab_size
+    real = hf.get(name, rows=(r0, min(r1, vocab))) if r0 < vocab else None
+    pad = r1 - max(r0, vocab)
+    if pad <= 0:
+        return real
+    zeros = torch.zeros(pad, spec.shape[1], dtype=hf.get(name, rows=(0, 0)).dtype)
+    return zeros if real is None else torch.cat([real, zeros])
+
+
+def save_hf_as_megatron(bridge: ModelBridge, hf: HFCheckpoint, out: Path, *, progress: bool = False) -> None:
+    """Write ``hf``'s weights as a megatron-core checkpoint into the (empty) directory ``out``,
+    converting one chunk at a time (see the module docstring)."""
+    for spec in bridge.tensor_map():
+        for name in spec.hf:
+            if name not in hf:
+                raise CheckpointError(f"HF checkpoint {hf.path} has no tensor {name!r} (needed for {spec.megatron})")
+        bridge.check_sources(spec, hf.shape)
+    chunks = _chunks(bridge, hf)
+    bar, task = _progress(progress, len(chunks), f"converting {bridge.architecture}")
+    with bar:
+        planner = _StreamingPlanner(chunks, _extra_state_keys(bridge), on_chunk=lambda: bar.advance(task))
+        writer = dcp.FileSystemWriter(str(out), single_file_per_rank=True, thread_count=1)
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    torch.save({}, out / "common.pt")
+    (out / "metadata.json").write_text(json.dumps(MCORE_METADATA))
+    (out / HF_DIR).mkdir()
+    (out / HF_DIR / "config.json").write_text(json.dumps(hf.config, indent=2) + "\n")
+    hf.copy_side_files(out / HF_DIR)
 
 
 def _progress(enabled: bool, total: int, description: str):
@@ -146,27 +217,6 @@ def _progress(enabled: bool, total: int, description: str):
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         disable=not enabled)
     return progress, progress.add_task(description, total=total)
-
-
-def save_hf_as_megatron(bridge: ModelBridge, hf: HFCheckpoint, out: Path, *, progress: bool = False) -> None:
-    """Write ``hf``'s weights as a megatron-core checkpoint into the (empty) directory ``out``."""
-    specs = bridge.tensor_map()
-    for spec in specs:
-        for name in spec.hf:
-            if name not in hf:
-                raise CheckpointError(f"HF checkpoint {hf.path} has no tensor {name!r} (needed for {spec.megatron})")
-    n = bridge.dims.num_layers
-    state = dict(extra_state_objects(bridge))
-    bar, task = _progress(progress, len(specs), f"converting {bridge.architecture}")
-    with bar:
-        for spec in specs:
-            state[spec.megatron] = sharded_tensor(spec, bridge.to_megatron(spec, hf.get).contiguous(), n)
-            bar.advance(task)
-    with single_process_group():
-        dist_checkpointing.save(state, str(out))
-    (out / HF_DIR).mkdir()
-    (out / HF_DIR / "config.json").write_text(json.dumps(hf.config, indent=2) + "\n")
-    hf.copy_side_files(out / HF_DIR)
 
 
 def _load_full(ckpt: Path, bridge: ModelBridge, specs: list[TensorSpec], meta: dict) -> dict[str, torch.Tensor]:
@@ -210,7 +260,11 @@ def read_megatron_as_hf(
         by_key.setdefault(checkpoint_key(spec), []).append(spec)
     with single_process_group():
         meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
-        writer = ShardedSafetensorsWriter(out, max_shard_bytes)
+        plan = [(name, meta[key].dtype, shape) for key, specs in by_key.items() if key in meta
+                for spec in specs for name, shape in zip(spec.hf, bridge.hf_shapes(spec), strict=True)]
+        if fp8_recipe is not None:
+            plan = list(fp8_plan(bridge, fp8_recipe, plan))
+        writer = StreamingSafetensorsWriter(out, plan, max_shard_bytes)
         bar, task = _progress(progress, len(by_key), f"exporting {bridge.architecture}")
         with bar:
             for specs in by_key.values():

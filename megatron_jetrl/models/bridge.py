@@ -95,6 +95,8 @@ class ModelBridge:
                 raise ConfigError(f"config.json:{key}", None, f"required for {self.architecture}")
             return c[key]
 
+        if c.get("use_sliding_window"):
+            raise ConfigError("config.json:use_sliding_window", True, "sliding-window attention is not supported")
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         groups = int(c.get("num_key_value_heads") or heads)
         head_dim = int(c.get("head_dim") or hidden // heads)
@@ -261,15 +263,18 @@ class ModelBridge:
             return [(d.vocab_size, *spec.shape[1:])]
         return [spec.shape]
 
+    def check_sources(self, spec: TensorSpec, shape_of: Callable[[str], tuple[int, ...]]) -> None:
+        """Raise, naming the tensor, if an HF source of ``spec`` has the wrong shape."""
+        for name, shape in zip(spec.hf, self.hf_shapes(spec), strict=True):
+            if tuple(shape_of(name)) != shape:
+                raise ValueError(f"HF tensor {name} has shape {tuple(shape_of(name))}; {self.architecture} with "
+                                 f"this config.json needs {shape}")
+
     def to_megatron(self, spec: TensorSpec, get_hf: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """The full (TP=1) Megatron tensor of ``spec`` from its HF sources (shapes checked)."""
-        sources = []
-        for name, shape in zip(spec.hf, self.hf_shapes(spec), strict=True):
-            t = get_hf(name)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"HF tensor {name} has shape {tuple(t.shape)}; {self.architecture} with this "
-                                 f"config.json needs {shape}")
-            sources.append(t)
+        sources = {name: get_hf(name) for name in spec.hf}
+        self.check_sources(spec, lambda name: sources[name].shape)
+        sources = list(sources.values())
         if spec.fuse == QKV:
             return layout.interleave_qkv(*sources, num_groups=self.dims.num_groups)
         if spec.fuse == FC1:

@@ -41,11 +41,6 @@ class Qwen2Bridge(ModelBridge):
     architecture = "Qwen2ForCausalLM"
     model_type = "qwen2"
 
-    def _read_dims(self, c: dict):
-        if c.get("use_sliding_window"):
-            raise ConfigError("config.json:use_sliding_window", True, "sliding-window attention is not supported")
-        return super()._read_dims(c)
-
     def _qkv_bias(self, c: dict) -> bool:
         return True
 
@@ -55,11 +50,6 @@ class Qwen3Bridge(ModelBridge):
 
     architecture = "Qwen3ForCausalLM"
     model_type = "qwen3"
-
-    def _read_dims(self, c: dict):
-        if c.get("use_sliding_window"):
-            raise ConfigError("config.json:use_sliding_window", True, "sliding-window attention is not supported")
-        return super()._read_dims(c)
 
     def _qk_norm(self, c: dict) -> bool:
         return True

@@ -64,6 +64,20 @@ def to_fp8_block(
             yield name, t
 
 
+def fp8_plan(
+    bridge: ModelBridge, recipe: PrecisionRecipe, plan: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]
+) -> Iterator[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The tensors ``to_fp8_block`` yields (name, dtype, shape) for the BF16 ``plan``."""
+    quantized = fp8_weight_names(bridge, recipe)
+    for name, dtype, shape in plan:
+        if name in quantized:
+            yield name, torch.float8_e4m3fn, shape
+            blocks = tuple(-(-s // b) for s, b in zip(shape, WEIGHT_BLOCK, strict=True))
+            yield name + SCALE_SUFFIX, torch.float32, blocks
+        else:
+            yield name, dtype, shape
+
+
 def fp8_hf_config(bridge: ModelBridge, recipe: PrecisionRecipe, hf_config: dict) -> dict:
     config = dict(hf_config)
     config["quantization_config"] = recipe.quantization_config(bridge.dims.num_layers)

@@ -1,9 +1,11 @@
 """Hugging Face checkpoint files: lazy sharded-safetensors reading and streaming, atomic writing.
 
-Reading opens shards lazily and returns one tensor at a time, so a converter holds about one
-layer, never the model. Writing fills shards up to a size limit as tensors arrive, names them
-``model-0000i-of-0000n.safetensors`` once n is known, writes the index, config and tokenizer files,
-all inside a temporary directory that replaces the output only when everything is written.
+Reading returns one tensor (or a row range of one) at a time with positioned reads, not a memory
+map: a converter then holds only what it asked for, and its RSS shows exactly that (pages of a
+mapped file count as resident once touched). Writing streams too: the tensors to write are planned
+up front (names, dtypes, shapes), so shard headers are known before any data and each tensor goes
+to disk as it arrives; everything is written inside a temporary directory that replaces the
+output only when complete.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -38,6 +38,48 @@ class CheckpointError(ValueError):
     """A checkpoint on disk is missing something or has the wrong shape; the message names it."""
 
 
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+
+
+class SafetensorsFile:
+    """One .safetensors file: header parsed once, tensors read with pread."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            self.header: dict[str, Any] = json.loads(f.read(n))
+        self.header.pop("__metadata__", None)
+        self.data_start = 8 + n
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name``, or only its rows [r0, r1) (rows are contiguous in a row-major file)."""
+        h = self.header[name]
+        if h["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {h['dtype']}")
+        dtype, shape = _DTYPES[h["dtype"]], list(h["shape"])
+        begin, end = h["data_offsets"]
+        if rows is not None:
+            row_bytes = (end - begin) // shape[0] if shape and shape[0] else 0
+            begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+            shape[0] = rows[1] - rows[0]
+        buf = bytearray(end - begin)
+        view, done = memoryview(buf), 0
+        with open(self.path, "rb", buffering=0) as f:
+            while done < len(buf):
+                got = os.preadv(f.fileno(), [view[done:]], self.data_start + begin + done)
+                if got <= 0:
+                    raise CheckpointError(f"{self.path}: file ends inside tensor {name!r}")
+                done += got
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 class HFCheckpoint:
     """Read access to an HF model directory (config.json + safetensors, sharded or not)."""
 
@@ -53,25 +95,31 @@ class HFCheckpoint:
         if index.is_file():
             self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif (self.path / SINGLE).is_file():
-            with safe_open(self.path / SINGLE, framework="pt") as f:
-                self.weight_map = {name: SINGLE for name in f.keys()}
+            self.weight_map = {name: SINGLE for name in SafetensorsFile(self.path / SINGLE).keys()}
         else:
             raise CheckpointError(f"{self.path} has neither {INDEX} nor {SINGLE}")
         for shard in sorted(set(self.weight_map.values())):
             if not (self.path / shard).is_file():
                 raise CheckpointError(f"{self.path}/{INDEX} lists shard {shard}, which does not exist")
-        self._open: dict[str, Any] = {}
+        self._files: dict[str, SafetensorsFile] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name`` (or its rows [r0, r1)), read from disk now."""
         shard = self.weight_map.get(name)
         if shard is None:
             raise CheckpointError(f"HF checkpoint {self.path} has no tensor {name!r}")
-        if shard not in self._open:
-            self._open[shard] = safe_open(self.path / shard, framework="pt")
-        return self._open[shard].get_tensor(name)
+        if shard not in self._files:
+            self._files[shard] = SafetensorsFile(self.path / shard)
+        if name not in self._files[shard].header:
+            raise CheckpointError(f"{self.path}/{shard} has no tensor {name!r}, though the index lists it there")
+        return self._files[shard].read(name, rows)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self.get(name, rows=(0, 0))
+        return tuple(self._files[self.weight_map[name]].header[name]["shape"])
 
     def total_bytes(self) -> int:
         return sum((self.path / s).stat().st_size for s in set(self.weight_map.values()))
@@ -86,46 +134,93 @@ class HFCheckpoint:
         return copied
 
 
-class ShardedSafetensorsWriter:
-    """Writes tensors into safetensors shards of at most ``max_shard_bytes`` as they arrive."""
+class StreamingSafetensorsWriter:
+    """Writes a sharded safetensors checkpoint whose tensors (names, dtypes, shapes, order) are
+    planned up front, so each tensor's bytes go to disk as it arrives and nothing is buffered.
 
-    def __init__(self, directory: Path, max_shard_bytes: int = 5 * 2**30):
+    The plan is split into shards of at most ``max_shard_bytes`` in order; each shard's header is
+    written when its first tensor arrives. ``add`` must follow the plan's order.
+    """
+
+    def __init__(self, directory: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 max_shard_bytes: int = 5 * 2**30):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive; got {max_shard_bytes}")
+        names = [name for name, _, _ in plan]
+        if len(set(names)) != len(names):
+            raise ValueError("the plan names a tensor twice")
         self.directory = directory
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.total_bytes = 0
+        self.plan = plan
+        self.shards: list[list[int]] = [[]]
+        size = 0
+        for i, (_, dtype, shape) in enumerate(plan):
+            nbytes = _nbytes(dtype, shape)
+            if self.shards[-1] and size + nbytes > max_shard_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(i)
+            size += nbytes
+        n = len(self.shards)
+        self.files = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        self.total_bytes = sum(_nbytes(d, s) for _, d, s in plan)
+        self._next = 0
+        self._shard = -1
+        self._stream = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._pending or any(name in s for s in self._shards):
-            raise ValueError(f"tensor {name} written twice")
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.detach().contiguous().cpu()
-        self._pending_bytes += nbytes
-        self.total_bytes += nbytes
+        if self._next >= len(self.plan):
+            raise ValueError(f"tensor {name} is not in the plan (all {len(self.plan)} already written)")
+        want_name, want_dtype, want_shape = self.plan[self._next]
+        if (name, tensor.dtype, tuple(tensor.shape)) != (want_name, want_dtype, want_shape):
+            raise ValueError(f"expected {want_name} {want_dtype} {list(want_shape)} next; got {name} "
+                             f"{tensor.dtype} {list(tensor.shape)}")
+        shard = next(k for k, idx in enumerate(self.shards) if self._next in idx)
+        if shard != self._shard:
+            self._open(shard)
+        data = tensor.detach().contiguous().cpu()
+        if data.numel():
+            self._stream.write(data.view(torch.uint8).reshape(-1).numpy().tobytes())
+        self._next += 1
 
-    def _flush(self) -> None:
-        save_file(self._pending, str(self.directory / f"shard-{len(self._shards):05d}.tmp"), metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
+    def _open(self, shard: int) -> None:
+        self._close()
+        header, offset = {}, 0
+        for i in self.shards[shard]:
+            name, dtype, shape = self.plan[i]
+            end = offset + _nbytes(dtype, shape)
+            header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            offset = end
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._stream = open(self.directory / self.files[shard], "wb")
+        self._stream.write(len(raw).to_bytes(8, "little") + raw)
+        self._shard = shard
+
+    def _close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def finish(self) -> None:
-        """Names the shards ``model-0000i-of-0000n.safetensors`` and writes the index."""
-        if self._pending or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        weight_map = {}
-        for i, names in enumerate(self._shards):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.directory / f"shard-{i:05d}.tmp", self.directory / final)
-            weight_map.update({name: final for name in names})
+        """Checks every planned tensor was written and writes the index."""
+        self._close()
+        if self._next != len(self.plan):
+            raise ValueError(f"{len(self.plan) - self._next} planned tensors were not written, "
+                             f"first {self.plan[self._next][0]}")
+        weight_map = {self.plan[i][0]: self.files[k] for k, idx in enumerate(self.shards) for i in idx}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+_ST_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
 
 
 @contextmanager

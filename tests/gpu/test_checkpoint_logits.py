@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.model_fixtures import FAMILIES, save_tiny_hf
+from tests.model_fixtures import FAMILIES, load_tool, save_tiny_hf
 
 pytestmark = pytest.mark.gpu
 SEQ, BATCH = 96, 2
@@ -77,16 +77,9 @@ def _megatron_logits(hf_dir, ckpt, tp):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def converted(request, tmp_path_factory):
-    import importlib.util
-    from pathlib import Path
-
     root = tmp_path_factory.mktemp(request.param)
     model = save_tiny_hf(request.param, root / "hf")
-    tool = Path(__file__).resolve().parents[2] / "tools" / "convert_hf_to_megatron.py"
-    spec = importlib.util.spec_from_file_location("convert_hf_to_megatron", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--hf-dir", str(root / "hf"), "--out-dir", str(root / "mg")]) == 0
+    assert load_tool("convert_hf_to_megatron")(["--hf-dir", str(root / "hf"), "--out-dir", str(root / "mg")]) == 0
     tokens = _tokens(model.config.vocab_size).cuda()
     with torch.no_grad():
         hf_bf16 = model.cuda()(tokens).logits.float().cpu()

@@ -1,7 +1,6 @@
 """The conversion tools on tiny random models of each family: HF -> Megatron -> HF is bit-exact, the FP8
 export holds the quantizer's bytes, and bad input fails clearly without leaving output behind."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,19 +11,9 @@ from safetensors.torch import load_file
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import quantize_fp8_blockwise
 from tests.helpers import assert_same_bytes
-from tests.model_fixtures import FAMILIES, save_tiny_hf
+from tests.model_fixtures import FAMILIES, load_tool, save_tiny_hf
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
-to_megatron, to_hf = _tool("convert_hf_to_megatron"), _tool("convert_megatron_to_hf")
+to_megatron, to_hf = load_tool("convert_hf_to_megatron"), load_tool("convert_megatron_to_hf")
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:
