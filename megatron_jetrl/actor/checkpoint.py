@@ -14,8 +14,9 @@ model built at any TP/PP (local or Transformer Engine layer spec) loads it:
 Writing streams: megatron-core's own writer resolves every tensor before writing any, so the
 converter writes the same on-disk format (torch.distributed.checkpoint files, ``common.pt``,
 ``metadata.json``) through DCP with a planner that converts each chunk only when it is written:
-one decoder layer's tensor per key, and the vocab tensors in row blocks. Reading back goes one
-checkpoint key (all layers of it) at a time.
+one decoder layer's tensor per key, and the vocab tensors in row blocks. Reading back reads one
+layer's slice of every key at a time, straight through DCP (any chunking the writer used, e.g.
+the actor's per-TP-rank pieces, is resolved by DCP's chunk overlap).
 
 Next to the tensors, ``hf/`` keeps the source config.json and tokenizer files.
 """
@@ -25,19 +26,17 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_jetrl.models import ModelBridge, TensorSpec, bridge_for
 from megatron_jetrl.models.fp8_export import check_fp8_exportable, fp8_hf_config, fp8_plan, to_fp8_block
@@ -91,22 +90,6 @@ def _extra_state_keys(bridge: ModelBridge) -> list[str]:
     modules = _LINEAR_MODULES + (_QK_NORM_MODULES if bridge.dims.qk_norm else ())
     keys = [f"{LAYER_PREFIX}{m}._extra_state/shard_{i}_{n}" for i in range(n) for m in modules]
     return keys + ["decoder.final_layernorm._extra_state/shard_0_1"]
-
-
-@contextmanager
-def single_process_group() -> Iterator[None]:
-    """dist_checkpointing.load needs torch.distributed: a one-process gloo group unless one exists."""
-    created = not torch.distributed.is_initialized()
-    if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        if created:
-            torch.distributed.destroy_process_group()
 
 
 class _Chunk:
@@ -219,22 +202,55 @@ def _progress(enabled: bool, total: int, description: str):
     return progress, progress.add_task(description, total=total)
 
 
-def _load_full(ckpt: Path, bridge: ModelBridge, specs: list[TensorSpec], meta: dict) -> dict[str, torch.Tensor]:
-    """Full (TP=1) tensors of ``specs``, which must cover whole checkpoint keys (every layer of a
-    key: megatron-core derives a key's shard layout from all its layers, so a single process can
-    only read a key whole)."""
-    request = {}
+class _SliceLoadPlanner(DefaultLoadPlanner):
+    """Reads a rectangular slice of each requested checkpoint key into a given buffer."""
+
+    def __init__(self, requests: dict[str, tuple[tuple[int, ...], torch.Tensor]]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.requests = requests
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, (offset, dest) in self.requests.items():
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=dest.size())
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item):
+        view = self.requests[read_item.dest_index.fqn][1]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+            view = view.narrow(dim, start, length)
+        return view
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        if tensor.data_ptr() != self.resolve_tensor(read_item).data_ptr():
+            self.resolve_tensor(read_item).copy_(tensor)
+
+
+def _read_slices(ckpt: Path, bridge: ModelBridge, specs: list[TensorSpec], meta) -> dict[str, torch.Tensor]:
+    """Full (TP=1) tensors of ``specs`` (one layer's, or the non-layer ones), reading only their
+    slice of each checkpoint key."""
+    requests, out = {}, {}
     for spec in specs:
         key = checkpoint_key(spec)
-        if key not in meta:
+        md = meta.state_dict_metadata.get(key)
+        if md is None:
             raise CheckpointError(f"checkpoint {ckpt} has no tensor {key!r} (needed for {spec.megatron})")
+        stored = tuple(md.size)
         want = (bridge.dims.num_layers, *spec.shape) if spec.layer is not None else spec.shape
-        if tuple(meta[key].global_shape) != want and not (spec.fuse == "vocab" and spec.layer is None):
-            raise CheckpointError(f"checkpoint {ckpt} tensor {key!r} has shape {tuple(meta[key].global_shape)}; "
+        vocab_ok = spec.fuse == "vocab" and stored[1:] == want[1:] and stored[0] >= want[0]
+        if stored != want and not vocab_ok:
+            raise CheckpointError(f"checkpoint {ckpt} tensor {key!r} has shape {stored}; "
                                   f"{bridge.architecture} with its config.json needs {want}")
-        request[spec.megatron] = sharded_tensor(spec, torch.empty(spec.shape, dtype=meta[key].dtype),
-                                                bridge.dims.num_layers)
-    return dist_checkpointing.load(request, str(ckpt))
+        if spec.layer is None:
+            out[spec.megatron] = torch.empty(spec.shape, dtype=md.properties.dtype)
+            requests[key] = ((0,) * len(spec.shape), out[spec.megatron])
+        else:
+            buf = torch.empty((1, *spec.shape), dtype=md.properties.dtype)
+            requests[key] = ((spec.layer,) + (0,) * len(spec.shape), buf)
+            out[spec.megatron] = buf[0]
+    dcp.load({}, storage_reader=dcp.FileSystemReader(str(ckpt)), planner=_SliceLoadPlanner(requests), no_dist=True)
+    return out
 
 
 def read_megatron_as_hf(
@@ -245,8 +261,8 @@ def read_megatron_as_hf(
     max_shard_bytes: int = 5 * 2**30,
     progress: bool = False,
 ) -> None:
-    """Write the checkpoint at ``ckpt_dir`` as an HF checkpoint into ``out``, one checkpoint key (all
-    its layers) in memory at a time; with ``fp8_recipe``, linear weights are exported as block FP8."""
+    """Write the checkpoint at ``ckpt_dir`` as an HF checkpoint into ``out``, one layer in memory at a
+    time; with ``fp8_recipe``, linear weights are exported as block FP8."""
     ckpt = Path(ckpt_dir)
     config_path = ckpt / HF_DIR / "config.json"
     if not config_path.is_file():
@@ -255,28 +271,28 @@ def read_megatron_as_hf(
     bridge = bridge_for(hf_config)
     if fp8_recipe is not None:
         check_fp8_exportable(bridge, fp8_recipe)
-    by_key: dict[str, list[TensorSpec]] = {}
+    groups: dict[int | None, list[TensorSpec]] = {}
     for spec in bridge.tensor_map():
-        by_key.setdefault(checkpoint_key(spec), []).append(spec)
-    with single_process_group():
-        meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
-        plan = [(name, meta[key].dtype, shape) for key, specs in by_key.items() if key in meta
-                for spec in specs for name, shape in zip(spec.hf, bridge.hf_shapes(spec), strict=True)]
-        if fp8_recipe is not None:
-            plan = list(fp8_plan(bridge, fp8_recipe, plan))
-        writer = StreamingSafetensorsWriter(out, plan, max_shard_bytes)
-        bar, task = _progress(progress, len(by_key), f"exporting {bridge.architecture}")
-        with bar:
-            for specs in by_key.values():
-                full = _load_full(ckpt, bridge, specs, meta)
-                tensors = (item for spec in specs for item in bridge.to_hf(spec, full.pop(spec.megatron)).items())
-                if fp8_recipe is not None:
-                    tensors = to_fp8_block(bridge, fp8_recipe, tensors)
-                for name, t in tensors:
-                    writer.add(name, t)
-                del full
-                bar.advance(task)
-        writer.finish()
+        groups.setdefault(spec.layer, []).append(spec)
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    dtype_of = {k: md.properties.dtype for k, md in meta.state_dict_metadata.items() if hasattr(md, "properties")}
+    plan = [(name, dtype_of.get(checkpoint_key(spec), torch.bfloat16), shape)
+            for specs in groups.values() for spec in specs
+            for name, shape in zip(spec.hf, bridge.hf_shapes(spec), strict=True)]
+    if fp8_recipe is not None:
+        plan = list(fp8_plan(bridge, fp8_recipe, plan))
+    writer = StreamingSafetensorsWriter(out, plan, max_shard_bytes)
+    bar, task = _progress(progress, len(groups), f"exporting {bridge.architecture}")
+    with bar:
+        for specs in groups.values():
+            full = _read_slices(ckpt, bridge, specs, meta)
+            tensors = (item for spec in specs for item in bridge.to_hf(spec, full.pop(spec.megatron)).items())
+            if fp8_recipe is not None:
+                tensors = to_fp8_block(bridge, fp8_recipe, tensors)
+            for name, t in tensors:
+                writer.add(name, t)
+            bar.advance(task)
+    writer.finish()
     config = fp8_hf_config(bridge, fp8_recipe, hf_config) if fp8_recipe is not None else hf_config
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:

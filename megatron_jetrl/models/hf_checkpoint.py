@@ -179,7 +179,7 @@ class StreamingSafetensorsWriter:
             self._open(shard)
         data = tensor.detach().contiguous().cpu()
         if data.numel():
-            self._stream.write(data.view(torch.uint8).reshape(-1).numpy().tobytes())
+            self._stream.write(data.view(torch.uint8).reshape(-1).numpy())  # buffer protocol: no copy
         self._next += 1
 
     def _open(self, shard: int) -> None:
