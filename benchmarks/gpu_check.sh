@@ -33,7 +33,7 @@ for f in tests/gpu/test_*.py; do
   echo "$f rc=$rc: $(tail -1 "$out/$(basename "$f" .py).log")"
   grep -E "^(FAILED|ERROR)|Fatal Python error" "$out/$(basename "$f" .py).log" | head -20
 done
-python3 -m pytest -q tests/unit -p no:cacheprovider 2>&1 | tee "$out/unit_tests.log" | tail -3
+python3 -m pytest -q tests/unit tests/dist -p no:cacheprovider 2>&1 | tee "$out/unit_tests.log" | tail -3
 unit_rc=${PIPESTATUS[0]}
 
 bench_rc=0
