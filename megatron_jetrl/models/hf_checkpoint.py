@@ -121,9 +121,6 @@ class HFCheckpoint:
         self.get(name, rows=(0, 0))
         return tuple(self._files[self.weight_map[name]].header[name]["shape"])
 
-    def total_bytes(self) -> int:
-        return sum((self.path / s).stat().st_size for s in set(self.weight_map.values()))
-
     def copy_side_files(self, out: Path) -> list[str]:
         """Tokenizer and generation files next to the weights, copied to ``out``."""
         copied = []
