@@ -144,7 +144,7 @@ def _chunks(bridge: ModelBridge, hf: HFCheckpoint) -> list[_Chunk]:
     n = bridge.dims.num_layers
     chunks = []
     for spec in bridge.tensor_map():
-        dtype = hf.get(spec.hf[0], rows=(0, 0)).dtype
+        dtype = hf.dtype(spec.hf[0])
         key = checkpoint_key(spec)
         if spec.layer is not None:
             chunks.append(_Chunk(key, (n, *spec.shape), (spec.layer,) + (0,) * len(spec.shape), (1, *spec.shape),
@@ -169,7 +169,7 @@ def _vocab_rows(bridge: ModelBridge, hf: HFCheckpoint, spec: TensorSpec, r0: int
     pad = r1 - max(r0, vocab)
     if pad <= 0:
         return real
-    zeros = torch.zeros(pad, spec.shape[1], dtype=hf.get(name, rows=(0, 0)).dtype)
+    zeros = torch.zeros(pad, spec.shape[1], dtype=hf.dtype(name))
     return zeros if real is None else torch.cat([real, zeros])
 
 
@@ -223,18 +223,17 @@ class _SliceLoadPlanner(DefaultLoadPlanner):
         return view
 
     def commit_tensor(self, read_item, tensor) -> None:
-        if tensor.data_ptr() != self.resolve_tensor(read_item).data_ptr():
-            self.resolve_tensor(read_item).copy_(tensor)
+        dest = self.resolve_tensor(read_item)
+        if tensor.data_ptr() != dest.data_ptr():
+            dest.copy_(tensor)
 
 
-def _read_slices(ckpt: Path, bridge: ModelBridge, specs: list[TensorSpec], meta) -> dict[str, torch.Tensor]:
-    """Full (TP=1) tensors of ``specs`` (one layer's, or the non-layer ones), reading only their
-    slice of each checkpoint key."""
-    requests, out = {}, {}
-    for spec in specs:
+def _check_checkpoint(ckpt: Path, bridge: ModelBridge, meta) -> None:
+    """Every key the bridge needs is stored with the model's shape (the vocab may be padded more)."""
+    for spec in bridge.tensor_map():
         key = checkpoint_key(spec)
         md = meta.state_dict_metadata.get(key)
-        if md is None:
+        if md is None or not hasattr(md, "size"):
             raise CheckpointError(f"checkpoint {ckpt} has no tensor {key!r} (needed for {spec.megatron})")
         stored = tuple(md.size)
         want = (bridge.dims.num_layers, *spec.shape) if spec.layer is not None else spec.shape
@@ -242,6 +241,15 @@ def _read_slices(ckpt: Path, bridge: ModelBridge, specs: list[TensorSpec], meta)
         if stored != want and not vocab_ok:
             raise CheckpointError(f"checkpoint {ckpt} tensor {key!r} has shape {stored}; "
                                   f"{bridge.architecture} with its config.json needs {want}")
+
+
+def _read_slices(ckpt: Path, specs: list[TensorSpec], meta) -> dict[str, torch.Tensor]:
+    """Full (TP=1) tensors of ``specs`` (one layer's, or the non-layer ones), reading only their
+    slice of each checkpoint key (checked by ``_check_checkpoint``)."""
+    requests, out = {}, {}
+    for spec in specs:
+        key = checkpoint_key(spec)
+        md = meta.state_dict_metadata[key]
         if spec.layer is None:
             out[spec.megatron] = torch.empty(spec.shape, dtype=md.properties.dtype)
             requests[key] = ((0,) * len(spec.shape), out[spec.megatron])
@@ -275,8 +283,8 @@ def read_megatron_as_hf(
     for spec in bridge.tensor_map():
         groups.setdefault(spec.layer, []).append(spec)
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
-    dtype_of = {k: md.properties.dtype for k, md in meta.state_dict_metadata.items() if hasattr(md, "properties")}
-    plan = [(name, dtype_of.get(checkpoint_key(spec), torch.bfloat16), shape)
+    _check_checkpoint(ckpt, bridge, meta)
+    plan = [(name, meta.state_dict_metadata[checkpoint_key(spec)].properties.dtype, shape)
             for specs in groups.values() for spec in specs
             for name, shape in zip(spec.hf, bridge.hf_shapes(spec), strict=True)]
     if fp8_recipe is not None:
@@ -285,7 +293,7 @@ def read_megatron_as_hf(
     bar, task = _progress(progress, len(groups), f"exporting {bridge.architecture}")
     with bar:
         for specs in groups.values():
-            full = _read_slices(ckpt, bridge, specs, meta)
+            full = _read_slices(ckpt, specs, meta)
             tensors = (item for spec in specs for item in bridge.to_hf(spec, full.pop(spec.megatron)).items())
             if fp8_recipe is not None:
                 tensors = to_fp8_block(bridge, fp8_recipe, tensors)

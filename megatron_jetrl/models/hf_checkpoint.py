@@ -106,8 +106,7 @@ class HFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor ``name`` (or its rows [r0, r1)), read from disk now."""
+    def _file(self, name: str) -> SafetensorsFile:
         shard = self.weight_map.get(name)
         if shard is None:
             raise CheckpointError(f"HF checkpoint {self.path} has no tensor {name!r}")
@@ -115,11 +114,22 @@ class HFCheckpoint:
             self._files[shard] = SafetensorsFile(self.path / shard)
         if name not in self._files[shard].header:
             raise CheckpointError(f"{self.path}/{shard} has no tensor {name!r}, though the index lists it there")
-        return self._files[shard].read(name, rows)
+        return self._files[shard]
+
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name`` (or its rows [r0, r1)), read from disk now."""
+        return self._file(name).read(name, rows)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        self.get(name, rows=(0, 0))
-        return tuple(self._files[self.weight_map[name]].header[name]["shape"])
+        """From the safetensors header; reads no data."""
+        return tuple(self._file(name).header[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        """From the safetensors header; reads no data."""
+        code = self._file(name).header[name]["dtype"]
+        if code not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {code}")
+        return _DTYPES[code]
 
     def copy_side_files(self, out: Path) -> list[str]:
         """Tokenizer and generation files next to the weights, copied to ``out``."""

@@ -167,3 +167,18 @@ def test_fp8_export_of_unaligned_projections_says_which(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "multiples of 128" in err and "mlp.gate_proj.weight [320, 256]" in err and "without --fp8-block" in err
     assert not (tmp_path / "fp8").exists()
+
+
+def test_checkpoint_not_matching_its_config_fails_before_writing(converted, tmp_path, capsys):
+    import shutil
+
+    arch, root = converted
+    ckpt = tmp_path / "mg"
+    shutil.copytree(root / "mg", ckpt)
+    config = json.loads((ckpt / "hf" / "config.json").read_text())
+    config["intermediate_size"] = 384
+    (ckpt / "hf" / "config.json").write_text(json.dumps(config))
+    assert to_hf(["--ckpt-dir", str(ckpt), "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "decoder.layers.mlp.linear_fc1.weight" in err and "has shape" in err, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
