@@ -40,7 +40,17 @@ bench_rc=0
 if [ $tests_only -eq 0 ]; then
   python3 benchmarks/bench_fp8_linear.py --json "$out/bench_fp8_linear.json" 2>&1 | tee "$out/bench.log"
   bench_rc=${PIPESTATUS[0]}
+  layers=${ACTOR_BENCH_LAYERS:-12}
+  CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc-per-node=1 benchmarks/bench_actor_step.py --layers "$layers" \
+    --json "$out/bench_actor_tp1.json" >"$out/bench_actor_tp1.log" 2>&1
+  rc=$?; [ $rc -eq 0 ] || bench_rc=$rc
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_actor_step.py --layers "$layers" --tp 2 \
+      --json "$out/bench_actor_tp2.json" >"$out/bench_actor_tp2.log" 2>&1
+    rc=$?; [ $rc -eq 0 ] || bench_rc=$rc
+  fi
 fi
 echo
+for f in "$out"/bench_actor_tp*.log; do [ -f "$f" ] && grep -v -i warn "$f" | tail -8; done
 echo "gpu tests rc=$gpu_rc  unit tests rc=$unit_rc  benchmark rc=$bench_rc"
 [ $gpu_rc -eq 0 ] && [ $unit_rc -eq 0 ] && [ $bench_rc -eq 0 ]

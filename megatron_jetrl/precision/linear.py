@@ -180,6 +180,9 @@ def fp8_block_linear(
     if not x.is_contiguous():
         x = x.contiguous()
     fp8_weight = cache.get(weight, quantizer) if cache is not None else quantizer.quantize_weight(weight.detach())
+    if not torch.is_grad_enabled():
+        # No backward will run: skip the token-dim quantization WGrad would need.
+        weight = weight.detach()
     return Fp8BlockLinear.apply(x, weight, bias, fp8_weight, quantizer, gemm)
 
 

@@ -1,0 +1,132 @@
+"""Actor training-step time, FP8 (native backend) vs BF16, for a model with Qwen3-8B layer shapes.
+
+    torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py --layers 12
+    torchrun --nproc-per-node 2 benchmarks/bench_actor_step.py --layers 12 --tp 2
+
+Random weights (megatron's init), no checkpoint. One step = ``Actor.update``: forward + backward
+over packed micro-batches, DistributedOptimizer step (fp32 Adam, clipping), FP8 re-quantization.
+Also timed: the forward-only logprob pass the RL loop runs for old logprobs. Both modes run in
+the same process on the same device, so their ratio is measured in one run. Prints a table and
+writes JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
+from megatron_jetrl.algo import ppo_clip_loss  # noqa: E402
+from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
+from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
+
+
+def qwen3_8b_shaped(num_layers: int) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": num_layers, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    }
+
+
+def make_batch(vocab: int, seqs: int, seq_len: int) -> PackedBatch:
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, vocab, (seq_len,), generator=g) for _ in range(seqs)]
+    mask = [torch.cat([torch.zeros(seq_len // 4), torch.ones(seq_len - seq_len // 4)]) for _ in range(seqs)]
+    adv = [torch.full((seq_len,), float(torch.randn((), generator=g))) for _ in range(seqs)]
+    return PackedBatch.from_sequences(tokens, loss_mask=mask, advantages=adv)
+
+
+def log(what: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[bench] {what}: allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB, "
+              f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", file=sys.stderr, flush=True)
+
+
+def timed(fn, steps: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def run_mode(mode: str, args, bridge) -> dict:
+    settings = ActorSettings(
+        parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
+        precision=PrecisionRecipe(mode=mode), max_tokens_per_microbatch=args.mb_tokens,
+        optimizer=OptimizerSettings(lr=1e-6),
+    )
+    actor = Actor(bridge, settings)
+    log(f"{mode}: built")
+    batch = make_batch(bridge.dims.vocab_size, args.seqs, args.seq_len)
+    batch.fields["old_logprobs"] = actor.compute_logprobs(batch).logprobs  # type: ignore[index]
+    log(f"{mode}: logprobs")
+    for i in range(args.warmup):
+        actor.update(batch, ppo_clip_loss)
+        log(f"{mode}: warmup step {i}")
+    torch.cuda.reset_peak_memory_stats()
+    step_s = timed(lambda: actor.update(batch, ppo_clip_loss), args.steps)
+    logprob_s = timed(lambda: actor.compute_logprobs(batch), args.steps)
+    peak = torch.cuda.max_memory_allocated()
+    actor.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+    log(f"{mode}: closed")
+    tokens = batch.tokens.numel()
+    world = dist.get_world_size()
+    return {"mode": mode, "step_s": step_s, "logprob_s": logprob_s, "tokens": tokens,
+            "step_tok_s_gpu": tokens / step_s / world, "logprob_tok_s_gpu": tokens / logprob_s / world,
+            "peak_gib": peak / 2**30}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--mb-tokens", type=int, default=8192)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--modes", default="bf16,fp8")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    bridge = bridge_for(qwen3_8b_shaped(args.layers))
+    rows = [run_mode(m, args, bridge) for m in args.modes.split(",")]
+    if dist.get_rank() == 0:
+        name = torch.cuda.get_device_name()
+        print(f"\nactor step, Qwen3-8B layer shapes x {args.layers} layers (+ 151936 vocab), TP={args.tp}, "
+              f"{dist.get_world_size()} x {name}, {args.seqs} x {args.seq_len} tokens/step, "
+              f"micro-batch {args.mb_tokens} tokens")
+        print(f"{'mode':6} {'step s':>8} {'tok/s/GPU':>10} {'logprob s':>10} {'tok/s/GPU':>10} {'peak GiB':>9}")
+        for r in rows:
+            print(f"{r['mode']:6} {r['step_s']:8.3f} {r['step_tok_s_gpu']:10.0f} {r['logprob_s']:10.3f} "
+                  f"{r['logprob_tok_s_gpu']:10.0f} {r['peak_gib']:9.1f}")
+        by = {r["mode"]: r for r in rows}
+        if "bf16" in by and "fp8" in by:
+            print(f"FP8 / BF16 speed-up: step {by['bf16']['step_s'] / by['fp8']['step_s']:.2f}x, "
+                  f"logprob pass {by['bf16']['logprob_s'] / by['fp8']['logprob_s']:.2f}x")
+        if args.json:
+            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "device": name,
+                                             "rows": rows}, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""The actor: one rank's share of the policy model, and the three things the RL loop asks of it.
+
+    logprobs = actor.compute_logprobs(batch)          # old / reference log-probabilities
+    metrics  = actor.update(batch, loss_fn)           # one optimizer step over the batch
+    actor.offload(); ...rollout...; actor.onload()    # colocation
+
+Every rank passes the same global ``PackedBatch`` and gets the same global results back. Inside,
+the batch is split over data-parallel ranks (balanced by tokens), packed into micro-batches of at
+most ``max_tokens_per_microbatch`` tokens, and run through megatron's pipeline schedule (1F1B
+for PP > 1), so a pipeline stage only ever holds its own layers' activations.
+
+Micro-batches are packed ``thd`` rows: no padding tokens are computed, except the few that
+sequence parallelism needs to split a row evenly over TP ranks.
+
+FP8: the native linears quantize their weights once after each optimizer step (and after a
+load or an onload), and every micro-batch's FProp and DGrad read that one copy;
+``fp8_weights()`` hands the same objects to the weight sync.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import ChainedOptimizer
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_jetrl.actor import model as model_lib
+from megatron_jetrl.actor.layers import _Fp8LinearMixin
+from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs
+from megatron_jetrl.actor.memory import DeviceMemory, OffloadReport
+from megatron_jetrl.actor.packing import (
+    PackedBatch,
+    align_to_tokens,
+    next_token_labels,
+    partition_for_data_parallel,
+    plan_micro_batches,
+)
+from megatron_jetrl.actor.settings import ActorSettings
+from megatron_jetrl.algo import LossFn, LossInputs
+from megatron_jetrl.config import ConfigError
+from megatron_jetrl.models import ModelBridge
+from megatron_jetrl.precision import Fp8Weight
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Per-token results of a global batch, aligned with its tokens ([T], fp32, on CPU)."""
+
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+
+
+@dataclass
+class _MicroBatch:
+    indices: list[int]
+    real_tokens: int
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    cu_seqlens: torch.Tensor
+    packed: PackedSeqParams
+    fields: dict[str, torch.Tensor]
+
+
+class Actor:
+    """Build with ``Actor(bridge, settings)`` on every rank after ``torch.distributed`` is initialised
+    (the launcher's job); ``close()`` releases megatron's parallel state."""
+
+    def __init__(self, bridge: ModelBridge, settings: ActorSettings):
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed (NCCL) before building the Actor; the launcher does this")
+        if not torch.cuda.is_available():
+            raise RuntimeError("the Actor runs megatron-core's GPTModel, which needs a CUDA GPU")
+        self.bridge = bridge
+        self.settings = settings
+        par = settings.parallel
+        bridge.check_layout(par)
+        settings.precision.layer_in_fp8(0, bridge.dims.num_layers)  # validates bf16_first/last_layers
+        self.dp_size = settings.data_parallel_size(dist.get_world_size())
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        model_lib.check_fp8_device(settings, self.device)
+        self.max_seq_len = settings.max_seq_len or bridge.dims.max_position_embeddings
+        if self.max_seq_len > bridge.dims.max_position_embeddings:
+            raise ConfigError("actor.max_seq_len", self.max_seq_len,
+                              f"must be <= the model's max_position_embeddings ({bridge.dims.max_position_embeddings})")
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp)
+        tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
+        self.config = model_lib.transformer_config(bridge, settings)
+        gpt = model_lib.build_gpt(bridge, settings, self.config, pre_process=parallel_state.is_pipeline_first_stage(),
+                                  post_process=parallel_state.is_pipeline_last_stage())
+        self.gpt = gpt
+        self.num_fp8_linears = 0
+        if settings.precision.train_fp8 and settings.fp8_backend == "native":
+            self.num_fp8_linears = model_lib.configure_fp8_linears(gpt, settings, bridge.dims.num_layers, self.device)
+        self.model = model_lib.wrap_ddp(gpt, self.config)
+        self.optimizer, self.scheduler = model_lib.build_optimizer(self.model, settings)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = self.model.no_sync
+        self.steps = 0
+        self._memory = DeviceMemory()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self._vocab_start = tp_rank * bridge.padded_vocab_size(par.tp) // par.tp
+        self._is_last_stage = parallel_state.is_pipeline_last_stage()
+        self._refresh_fp8()
+
+    # ---------------------------------------------------------------- public API
+
+    def compute_logprobs(self, batch: PackedBatch, *, with_entropy: bool = False) -> TokenLogprobs:
+        """log π(token_t | prefix) for every token of ``batch`` (0 at sequence starts), and the
+        entropy of the distribution each token was drawn from, in fp32."""
+        self._check_batch(batch, need_loss_mask=False)
+        self.model.eval()
+        micro_batches, shard = self._micro_batches(batch)
+        with torch.no_grad():
+            outputs = self._run(micro_batches, forward_only=True,
+                                loss_func=partial(self._collect_logprobs, with_entropy=with_entropy))
+        names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+        local = self._pipeline_results(outputs, micro_batches, names)
+        full = self._gather_data_parallel(local, shard, batch)
+        return TokenLogprobs(full["logprobs"], full.get("entropy"))
+
+    def update(self, batch: PackedBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on ``batch`` with ``loss_fn`` (see ``megatron_jetrl.algo.LossInputs``);
+        returns the batch's metrics: the loss function's, plus ``entropy``, ``grad_norm``, ``lr``,
+        ``loss_scale``, ``update_skipped`` (FP16 overflow), ``tokens``, ``micro_batches`` and
+        ``update_time_s``."""
+        self._check_batch(batch, need_loss_mask=True)
+        start = time.perf_counter()
+        self.model.train()
+        micro_batches, _ = self._micro_batches(batch)
+        mask = batch.fields["loss_mask"]
+        global_tokens = float(mask.float().sum())
+        scale = len(micro_batches) * self.dp_size
+        loss_func = partial(self._policy_loss, loss_fn=loss_fn, global_tokens=global_tokens,
+                            global_sequences=batch.num_sequences, scale=scale)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(micro_batches, forward_only=False, loss_func=loss_func)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+            self.steps += 1
+        self._refresh_fp8()
+        metrics = self._reduce_metrics(outputs)
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            loss_scale=float(self.optimizer.get_loss_scale()),
+            update_skipped=float(not ok),
+            tokens=float(batch.tokens.numel()),
+            micro_batches=float(len(micro_batches)),
+            update_time_s=time.perf_counter() - start,
+        )
+        return metrics
+
+    def fp8_weights(self) -> Iterator[tuple[str, Fp8Weight]]:
+        """(parameter name, this rank's FP8 weight) for every linear computing in FP8 now: exactly the
+        objects the next forward's GEMMs read. Empty unless the native FP8 backend is on."""
+        for name, module in self.gpt.named_modules():
+            if isinstance(module, _Fp8LinearMixin) and module.fp8_enabled:
+                yield f"{name}.weight", module.fp8_weight()
+
+    def offload(self) -> OffloadReport:
+        """Move parameters and optimizer state to pinned CPU memory and free gradients and FP8
+        caches, so the rollout engine can use the GPU; ``onload()`` undoes it."""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for m in self._fp8_linears():
+            m.fp8_cache.invalidate()
+        params = [p for p in self.model.parameters()]
+        grads = [getattr(p, "main_grad", None) for p in params]
+        released = self._memory.offload({
+            "params": (params, True),
+            "grads": (grads, False),
+            "optimizer": (self._optimizer_tensors(), True),
+        })
+        return OffloadReport(params_bytes=released["params"], grads_bytes=released["grads"],
+                             optimizer_bytes=released["optimizer"], allocated_before=before,
+                             allocated_after=torch.cuda.memory_allocated())
+
+    def onload(self) -> None:
+        self._memory.restore()
+        self._refresh_fp8()
+
+    def close(self) -> None:
+        """Release the model, optimizer and megatron's parallel state (another Actor may follow in
+        this process). The object is unusable afterwards."""
+        for hook_owner in (self.config,):
+            hook_owner.finalize_model_grads_func = None
+            hook_owner.grad_scale_func = None
+            hook_owner.no_sync_func = None
+        self.model = self.gpt = self.optimizer = self.scheduler = None
+        self._memory = DeviceMemory()
+        parallel_state.destroy_model_parallel()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    # ----------------------------------------------------------- checkpoints
+
+    def save(self, directory: str | Path, *, extra: Optional[dict] = None) -> None:
+        """Model, optimizer and scheduler as one megatron distributed checkpoint (see ``state.py``)."""
+        from megatron_jetrl.actor.state import save_actor
+
+        save_actor(self, Path(directory), extra=extra or {})
+
+    def load(self, directory: str | Path, *, model_only: Optional[bool] = None) -> dict:
+        """Load a checkpoint written by ``save`` at any TP/PP, or a model-only checkpoint from
+        ``tools/convert_hf_to_megatron.py``; returns the ``extra`` dict saved with it."""
+        from megatron_jetrl.actor.state import load_actor
+
+        extra = load_actor(self, Path(directory), model_only=model_only)
+        self._refresh_fp8()
+        return extra
+
+    # -------------------------------------------------------------- internals
+
+    def _fp8_linears(self):
+        return [m for m in self.gpt.modules() if isinstance(m, _Fp8LinearMixin) and m.fp8_enabled]
+
+    def _refresh_fp8(self) -> None:
+        for m in self._fp8_linears():
+            m.fp8_cache.invalidate()
+            m.fp8_weight()
+
+    def optimizers(self) -> list:
+        """megatron's optimizers behind ``self.optimizer`` (a ChainedOptimizer holds several)."""
+        if isinstance(self.optimizer, ChainedOptimizer):
+            return list(self.optimizer.chained_optimizers)
+        return [self.optimizer]
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        tensors = []
+        for opt in self.optimizers():
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                tensors.extend(group["params"])
+            for state in inner.state.values():
+                tensors.extend(v for v in state.values() if torch.is_tensor(v))
+        return tensors
+
+    def _check_batch(self, batch: PackedBatch, *, need_loss_mask: bool) -> None:
+        if self._memory.offloaded:
+            raise RuntimeError("the actor is offloaded; call onload() first")
+        vocab = self.bridge.dims.vocab_size
+        lo, hi = int(batch.tokens.min()), int(batch.tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}) for this model; the batch has ids in [{lo}, {hi}]")
+        lens = batch.seq_lens
+        longest = max(lens)
+        if longest > self.max_seq_len:
+            raise ValueError(f"sequence {lens.index(longest)} has {longest} tokens; the model's limit is "
+                             f"{self.max_seq_len} (actor.max_seq_len / max_position_embeddings)")
+        if need_loss_mask:
+            if "loss_mask" not in batch.fields:
+                raise ValueError(f"update() needs a 'loss_mask' field; the batch has {sorted(batch.fields)}")
+            if float(batch.fields["loss_mask"].float().sum()) <= 0:
+                raise ValueError("the batch's loss_mask selects no token; there is nothing to train on")
+
+    def _micro_batches(self, batch: PackedBatch) -> tuple[list[_MicroBatch], list[int]]:
+        shards = partition_for_data_parallel(batch.seq_lens, self.dp_size)
+        shard = shards[parallel_state.get_data_parallel_rank()]
+        lens = batch.seq_lens
+        plan = plan_micro_batches([lens[i] for i in shard], self.settings.max_tokens_per_microbatch)
+        pad = self.settings.parallel.tp if self.config.sequence_parallel else 1
+        out = []
+        for group in plan:
+            indices = [shard[j] for j in group]
+            sub = batch.select(indices)
+            real = sub.tokens.numel()
+            sub = sub.padded_to(pad)
+            cu = sub.cu_seqlens.to(self.device)
+            cu32 = cu.to(torch.int32)
+            max_len = max(sub.seq_lens)
+            tokens = sub.tokens.to(self.device, torch.int64)
+            out.append(_MicroBatch(
+                indices=indices, real_tokens=real, tokens=tokens, labels=next_token_labels(tokens, cu), cu_seqlens=cu,
+                packed=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
+                                       max_seqlen_q=max_len, max_seqlen_kv=max_len),
+                fields={k: v.to(self.device) for k, v in sub.fields.items()},
+            ))
+        return out, shard
+
+    def _run(self, micro_batches: list[_MicroBatch], *, forward_only: bool, loss_func) -> list[dict]:
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.tokens[None], None, None, packed_seq_params=mb.packed)
+            return output, partial(loss_func, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            num_microbatches=len(micro_batches), seq_length=max(mb.tokens.numel() for mb in micro_batches),
+            micro_batch_size=1, forward_only=forward_only,
+        )
+
+    def _logprobs(self, mb: _MicroBatch, logits, with_entropy: bool):
+        lp, ent = vocab_parallel_logprobs(
+            logits[0], mb.labels, vocab_start=self._vocab_start, vocab_size=self.bridge.dims.vocab_size,
+            group=parallel_state.get_tensor_model_parallel_group(), with_entropy=with_entropy)
+        lp = align_to_tokens(lp, mb.cu_seqlens)
+        ent = align_to_tokens(ent, mb.cu_seqlens) if ent is not None else None
+        return lp, ent
+
+    def _collect_logprobs(self, mb: _MicroBatch, logits, *, with_entropy: bool):
+        lp, ent = self._logprobs(mb, logits, with_entropy)
+        out = {"logprobs": lp[: mb.real_tokens]}
+        if ent is not None:
+            out["entropy"] = ent[: mb.real_tokens]
+        return torch.zeros((), device=logits.device), out
+
+    def _policy_loss(self, mb: _MicroBatch, logits, *, loss_fn: LossFn, global_tokens: float, global_sequences: int,
+                     scale: int):
+        lp, ent = self._logprobs(mb, logits, with_entropy=True)
+        inputs = LossInputs(logprobs=lp, entropy=ent, fields=mb.fields, cu_seqlens=mb.cu_seqlens,
+                            global_tokens=global_tokens, global_sequences=global_sequences)
+        loss, metrics = loss_fn(inputs)
+        metrics = {k: v.detach().float().reshape(()) for k, v in metrics.items()}
+        mask = mb.fields["loss_mask"].float()
+        metrics.setdefault("entropy", (ent.detach() * mask).sum() / global_tokens)
+        # megatron divides each micro-batch's loss by their count and averages gradients over DP
+        # ranks; the loss function already normalised by the global batch, so undo both.
+        return loss * scale, metrics
+
+    def _pipeline_results(self, outputs: list[dict], micro_batches: list[_MicroBatch], names) -> dict:
+        """This DP shard's per-token results in micro-batch order, on every pipeline stage."""
+        total = sum(mb.real_tokens for mb in micro_batches)
+        local = {}
+        for name in names:
+            if self._is_last_stage:
+                local[name] = torch.cat([o[name] for o in outputs]).float()
+            else:
+                local[name] = torch.empty(total, device=self.device)
+            if self.settings.parallel.pp > 1:
+                dist.broadcast(local[name], src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+        order = [i for mb in micro_batches for i in mb.indices]
+        return {"order": order, **local}
+
+    def _gather_data_parallel(self, local: dict, shard: list[int], batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """Every rank's shard results placed at their sequences' positions in the global batch."""
+        cu = batch.cu_seqlens.tolist()
+        lens = batch.seq_lens
+        shards = partition_for_data_parallel(lens, self.dp_size)
+        orders = []
+        for s in shards:
+            group_plan = plan_micro_batches([lens[i] for i in s], self.settings.max_tokens_per_microbatch)
+            orders.append([s[j] for g in group_plan for j in g])
+        assert orders[parallel_state.get_data_parallel_rank()] == local["order"]
+        counts = [sum(lens[i] for i in o) for o in orders]
+        out = {}
+        for name, t in local.items():
+            if name == "order":
+                continue
+            if self.dp_size > 1:
+                buf = torch.zeros(max(counts), device=self.device)
+                buf[: t.numel()] = t
+                parts = [torch.empty_like(buf) for _ in range(self.dp_size)]
+                dist.all_gather(parts, buf, group=parallel_state.get_data_parallel_group())
+            else:
+                parts = [t]
+            full = torch.empty(batch.tokens.numel())
+            for order, part, n in zip(orders, parts, counts, strict=True):
+                part = part[:n].cpu()
+                pos = 0
+                for i in order:
+                    full[cu[i]:cu[i + 1]] = part[pos:pos + lens[i]]
+                    pos += lens[i]
+            out[name] = full
+        return out
+
+    def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
+        """Sum the metric shares over micro-batches and DP ranks; every rank gets the result."""
+        names = [sorted(outputs[0])] if self._is_last_stage and outputs else [None]
+        if self.settings.parallel.pp > 1:
+            dist.broadcast_object_list(names, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                       group=parallel_state.get_pipeline_model_parallel_group())
+        keys = names[0]
+        values = torch.zeros(len(keys), device=self.device, dtype=torch.float64)
+        if self._is_last_stage:
+            for o in outputs:
+                values += torch.stack([o[k].double() for k in keys])
+            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+        if self.settings.parallel.pp > 1:
+            dist.broadcast(values, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+        return dict(zip(keys, values.tolist(), strict=True))

@@ -1,0 +1,192 @@
+"""The actor's layer spec: megatron-core's local (no Transformer Engine) GPT layer with two swaps.
+
+- ``PackedCoreAttention`` replaces the local ``DotProductAttention``, which materialises the
+  [s, s] score matrix and rejects packed sequences. It runs causal attention per sequence of a
+  packed ``thd`` batch: flash attention varlen (``torch.nn.attention.varlen``) on CUDA in
+  BF16/FP16, and a per-sequence ``scaled_dot_product_attention`` otherwise (the reference).
+- ``Fp8ColumnParallelLinear`` / ``Fp8RowParallelLinear`` replace qkv, proj, fc1 and fc2 in the
+  ``fp8`` precision mode. They keep megatron's parameters, sharding and checkpoint keys and change
+  only the GEMMs: ``fp8_block_linear`` (FProp, DGrad and WGrad in FP8, 128x128 weight blocks,
+  1x128 activation and gradient groups). Tensor-parallel communication is megatron's own
+  autograd mappings around it: all-gather of the input / reduce-scatter of its gradient under
+  sequence parallelism, otherwise all-reduce of the input gradient. The actor configures each
+  linear after construction (quantizer, GEMM backend, and whether its layer runs in FP8), since
+  the recipe keeps the first/last N layers in BF16 and a linear does not know its layer number.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch.nn.attention import varlen
+
+from megatron_jetrl.precision import Fp8Quantizer, Fp8Weight, Fp8WeightCache, fp8_block_linear
+from megatron_jetrl.precision.gemm import GemmBackend
+
+_VARLEN_PARAMS = inspect.signature(varlen.varlen_attn).parameters
+_VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+"""torch 2.10 spelled causal as ``is_causal=True``; later releases as ``window_size=(-1, 0)``."""
+_VARLEN_GQA = "enable_gqa" in _VARLEN_PARAMS
+
+
+def packed_causal_attention(
+    q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention within each sequence of a packed batch; q [T, Hq, D], k/v [T, Hkv, D]
+    (Hkv divides Hq, grouped-query attention) -> [T, Hq, D]."""
+    if q_THD.is_cuda and q_THD.dtype in (torch.bfloat16, torch.float16):
+        k, v = k_THD, v_THD
+        gqa = {}
+        if k.shape[1] != q_THD.shape[1]:
+            if _VARLEN_GQA:
+                gqa = {"enable_gqa": True}
+            else:
+                rep = q_THD.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
+        return varlen.varlen_attn(q_THD, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **_VARLEN_CAUSAL, **gqa)
+    return reference_packed_causal_attention(q_THD, k_THD, v_THD, cu_seqlens, scale)
+
+
+def reference_packed_causal_attention(q_THD, k_THD, v_THD, cu_seqlens, scale):
+    """Per-sequence ``scaled_dot_product_attention`` (any device and dtype)."""
+    rep = q_THD.shape[1] // k_THD.shape[1]
+    out = torch.empty_like(q_THD)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        q = q_THD[a:b].transpose(0, 1)
+        k = k_THD[a:b].transpose(0, 1).repeat_interleave(rep, dim=0)
+        v = v_THD[a:b].transpose(0, 1).repeat_interleave(rep, dim=0)
+        out[a:b] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+class PackedCoreAttention(MegatronModule):
+    """megatron-core core-attention module for causal self-attention over packed sequences.
+
+    Takes megatron's ``thd`` layout ([T, H, D] with ``packed_seq_params``) or ``sbhd`` ([S, B, H, D],
+    each batch row one sequence). No dropout (RL fine-tuning runs without), no attention mask
+    other than causal-within-sequence, no context parallelism.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None, **_unused):
+        super().__init__(config=config)
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"PackedCoreAttention computes causal attention only; got {attn_mask_type}")
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
+            raise ValueError("PackedCoreAttention has no dropout; set attention_dropout=0")
+        if config.context_parallel_size > 1:
+            raise ValueError("PackedCoreAttention does not support context parallelism")
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("PackedCoreAttention does not take an attention bias")
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"packed sequences must use the 'thd' format; got {packed_seq_params.qkv_format!r}")
+            out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                          packed_seq_params.max_seqlen_q, self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
+        s, b = query.shape[:2]
+        flat = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value)]
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
+        out = packed_causal_attention(*flat, cu, s, self.softmax_scale)
+        return out.reshape(b, s, -1).transpose(0, 1).contiguous()
+
+
+class _Fp8LinearMixin:
+    """Replaces megatron's ``_forward_impl`` (the GEMM plus its TP communication)."""
+
+    fp8_quantizer: Optional[Fp8Quantizer] = None
+    fp8_gemm: GemmBackend = "auto"
+    fp8_enabled: bool = True
+
+    def configure_fp8(self, *, quantizer: Fp8Quantizer, gemm: GemmBackend, enabled: bool) -> None:
+        self.fp8_quantizer = quantizer
+        self.fp8_gemm = gemm
+        self.fp8_enabled = enabled
+        self.fp8_cache = Fp8WeightCache()
+
+    def fp8_weight(self) -> Optional[Fp8Weight]:
+        """This rank's shard of the weight as the FProp GEMM reads it; None in a BF16 layer."""
+        if not self.fp8_enabled:
+            return None
+        return self.fp8_cache.get(self.weight, self.fp8_quantizer)
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                      sequence_parallel=False, tp_group=None, **_unused):
+        if not self.fp8_enabled:
+            return super()._forward_impl(input=input, weight=weight, bias=bias,
+                                         gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                         allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                                         tp_group=tp_group, **_unused)
+        if self.fp8_quantizer is None:
+            raise RuntimeError(f"{type(self).__name__} was not configured; the actor calls configure_fp8()")
+        if gradient_accumulation_fusion:
+            raise ValueError("FP8 linears do not support gradient_accumulation_fusion; set it to False")
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        return fp8_block_linear(input, weight, bias, quantizer=self.fp8_quantizer, cache=self.fp8_cache,
+                                gemm=self.fp8_gemm)
+
+
+class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
+    pass
+
+
+class Fp8RowParallelLinear(_Fp8LinearMixin, RowParallelLinear):
+    pass
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm as a megatron norm module, replacing megatron's ``WrappedTorchNorm``, which
+    refuses sequence parallelism and creates fp32 weights (torch then falls back from its fused
+    kernel for BF16 inputs). Weights here are in the model's dtype. Under sequence parallelism
+    each TP rank normalises its own tokens, so the weight gradient is partial: the weight is
+    marked ``sequence_parallel`` and megatron all-reduces it over TP (q/k norms are reduced by
+    megatron in any case, since each TP rank sees only its heads)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def local_layer_spec(*, qk_layernorm: bool, fp8: bool) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with ``PackedCoreAttention``, ``RMSNorm`` and, with
+    ``fp8``, the FP8 parallel linears."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    attn = spec.submodules.self_attention.submodules
+    mlp = spec.submodules.mlp.submodules
+    attn.core_attention = PackedCoreAttention
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    if qk_layernorm:
+        attn.q_layernorm = RMSNorm
+        attn.k_layernorm = RMSNorm
+    if fp8:
+        attn.linear_qkv = Fp8ColumnParallelLinear
+        attn.linear_proj = Fp8RowParallelLinear
+        mlp.linear_fc1 = Fp8ColumnParallelLinear
+        mlp.linear_fc2 = Fp8RowParallelLinear
+    return spec

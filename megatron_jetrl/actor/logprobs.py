@@ -1,0 +1,123 @@
+"""Per-token log-probability and entropy from vocab-parallel logits, in fp32.
+
+Each tensor-parallel rank holds logits for its slice of the vocabulary, [T, V/TP], in the model's
+dtype. The full softmax is never gathered: three all-reduces over the TP group (max, sum of
+exponentials, the target logit; one more for entropy) give
+
+    log p(y_t) = z_t[y_t] − lse_t,  lse_t = log Σ_v exp z_t[v]
+    H_t       = lse_t − Σ_v p_t[v] z_t[v]
+
+Vocabulary rows past the tokenizer's size (megatron pads the vocab to 128 × TP) are excluded, so
+the result equals a softmax over the real vocabulary (the HF model's). The backward pass
+recomputes p from the saved logits and lse instead of keeping an fp32 [T, V/TP] tensor alive:
+
+    ∂ log p(y_t) / ∂ z_t[v] = 1[v = y_t] − p_t[v]
+    ∂ H_t / ∂ z_t[v]        = p_t[v] (Σ_u p_t[u] z_t[u] − z_t[v])
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+CHUNK_ELEMENTS = 2**27
+"""Rows are processed in chunks of about this many logits (512 MiB of fp32 temporaries), so a long
+micro-batch never holds several fp32 copies of its [T, V/TP] logits."""
+
+
+def _chunks(rows: int, cols: int):
+    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def _masked_fp32(logits: torch.Tensor, real: int, fill: float) -> torch.Tensor:
+    z = logits.float()
+    if real < z.shape[-1]:
+        if z.data_ptr() == logits.data_ptr():
+            z = z.clone()
+        z[:, real:] = fill
+    return z
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_TV, labels_T, vocab_start: int, vocab_size: int, group, with_entropy: bool):
+        T, v_local = logits_TV.shape
+        real = min(max(vocab_size - vocab_start, 0), v_local)
+        lse = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
+        logp = torch.empty_like(lse)
+        sum_pz = torch.empty_like(lse) if with_entropy else None
+        for a, b in _chunks(T, v_local):
+            z = _masked_fp32(logits_TV[a:b], real, float("-inf"))
+            m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
+            e = torch.exp(z - m[:, None])
+            s = _all_reduce(e.sum(dim=-1), dist.ReduceOp.SUM, group)
+            lse[a:b] = m + torch.log(s)
+            labels = labels_T[a:b]
+            local = (labels >= vocab_start) & (labels < vocab_start + real)
+            idx = (labels - vocab_start).clamp(0, max(real - 1, 0))
+            target = torch.where(local, z.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(m))
+            logp[a:b] = _all_reduce(target, dist.ReduceOp.SUM, group) - lse[a:b]
+            if with_entropy:
+                e.div_(s[:, None])
+                pz = torch.where(e > 0, e * z, torch.zeros_like(e))
+                sum_pz[a:b] = _all_reduce(pz.sum(dim=-1), dist.ReduceOp.SUM, group)
+        entropy = lse - sum_pz if with_entropy else None
+        ctx.save_for_backward(logits_TV, labels_T, lse, sum_pz if with_entropy else lse)
+        ctx.vocab = (vocab_start, real)
+        ctx.with_entropy = with_entropy
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, d_logp, d_entropy):
+        logits_TV, labels_T, lse, sum_pz = ctx.saved_tensors
+        vocab_start, real = ctx.vocab
+        T, v_local = logits_TV.shape
+        grad_TV = torch.empty_like(logits_TV)
+        for a, b in _chunks(T, v_local):
+            z = _masked_fp32(logits_TV[a:b], real, 0.0)
+            p = torch.exp(z - lse[a:b, None])
+            if real < v_local:
+                p[:, real:] = 0.0
+            g = torch.zeros_like(p)
+            if d_logp is not None:
+                g -= p * d_logp[a:b, None]
+                labels = labels_T[a:b]
+                rows = torch.nonzero((labels >= vocab_start) & (labels < vocab_start + real)).squeeze(1)
+                g[rows, labels[rows] - vocab_start] += d_logp[a:b][rows]
+            if ctx.with_entropy and d_entropy is not None:
+                g += p * (sum_pz[a:b, None] - z) * d_entropy[a:b, None]
+            grad_TV[a:b] = g.to(grad_TV.dtype)
+        return grad_TV, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits_TV: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group: Optional[dist.ProcessGroup] = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log p(labels) [T], entropy [T] or None), fp32, differentiable w.r.t. ``logits_TV``.
+
+    Args:
+        logits_TV: this rank's vocab slice of the logits, columns
+            ``vocab_start .. vocab_start + V/TP``.
+        labels_T: global token ids to score.
+        vocab_size: the real vocabulary size; columns at or past it are ignored.
+        group: the tensor-parallel group holding the other slices (None: the full vocab is here).
+    """
+    if logits_TV.dim() != 2 or labels_T.shape != logits_TV.shape[:1]:
+        raise ValueError(f"logits must be [T, V] and labels [T]; got {tuple(logits_TV.shape)}, {tuple(labels_T.shape)}")
+    return _VocabParallelLogprobs.apply(logits_TV, labels_T, int(vocab_start), int(vocab_size), group, with_entropy)

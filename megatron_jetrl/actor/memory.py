@@ -1,0 +1,107 @@
+"""Give the GPU to the colocated rollout engine between updates, and take it back.
+
+Parameters and optimizer state (fp32 master weights, Adam moments) are copied to pinned CPU
+memory; gradient buffers and the FP8 weight caches are freed outright (gradients are zeroed
+before every update; FP8 weights are re-quantized from the restored parameters, the same bytes).
+
+The trick that keeps every view valid: megatron's parameters and gradients are views into a few
+large buffers, and the optimizer holds references to its tensors. Rather than replacing tensors,
+each tensor's *storage* is resized to zero bytes and later back, so all views and references stay
+the same Python objects and see the restored bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+
+@dataclass(frozen=True)
+class OffloadReport:
+    """Bytes moved per kind, and what the CUDA caching allocator saw before and after."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    allocated_before: int
+    allocated_after: int
+
+    @property
+    def freed_bytes(self) -> int:
+        return self.allocated_before - self.allocated_after
+
+
+class _Offloaded:
+    def __init__(self, storage: torch.UntypedStorage, host: torch.Tensor | None):
+        self.storage = storage
+        self.nbytes = storage.nbytes()
+        self.host = host
+
+
+def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    seen, out = set(), []
+    for t in tensors:
+        if t is None or not t.is_cuda:
+            continue
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        if key in seen or s.nbytes() == 0:
+            continue
+        seen.add(key)
+        out.append(s)
+    return out
+
+
+def _bytes_view(storage: torch.UntypedStorage, device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class DeviceMemory:
+    """Offloads and restores the named groups of GPU tensors of one actor."""
+
+    def __init__(self) -> None:
+        self._saved: dict[str, list[_Offloaded]] = {}
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._saved)
+
+    def offload(self, groups: dict[str, tuple[list[torch.Tensor], bool]]) -> dict[str, int]:
+        """``groups``: name -> (tensors, keep). Kept groups are copied to pinned CPU memory first;
+        the others are dropped. Returns bytes released per group."""
+        if self._saved:
+            raise RuntimeError("already offloaded; restore() first")
+        released = {}
+        for name, (tensors, keep) in groups.items():
+            items = []
+            for storage in _unique_storages(tensors):
+                host = None
+                if keep:
+                    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
+                    host.copy_(_bytes_view(storage, storage.device), non_blocking=True)
+                items.append(_Offloaded(storage, host))
+            self._saved[name] = items
+            released[name] = sum(i.nbytes for i in items)
+        torch.cuda.synchronize()
+        for items in self._saved.values():
+            for item in items:
+                item.storage.resize_(0)
+        torch.cuda.empty_cache()
+        return released
+
+    def restore(self) -> None:
+        """Re-allocate every storage at its old size; copy kept bytes back, zero the dropped ones."""
+        if not self._saved:
+            return
+        for items in self._saved.values():
+            for item in items:
+                item.storage.resize_(item.nbytes)
+                view = _bytes_view(item.storage, item.storage.device)
+                if item.host is not None:
+                    view.copy_(item.host, non_blocking=True)
+                else:
+                    view.zero_()
+        torch.cuda.synchronize()
+        self._saved.clear()

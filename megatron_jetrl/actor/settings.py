@@ -1,0 +1,121 @@
+"""What the actor is given: typed, validated settings (the ``actor`` section of a job config).
+
+Validation happens at construction and names the key, so a bad value fails before any GPU work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_jetrl.config import ConfigError
+from megatron_jetrl.models import ParallelLayout
+from megatron_jetrl.precision import GEMM_BACKENDS, PrecisionRecipe
+
+FP8_BACKENDS = ("native", "te")
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def _positive(key: str, value, *, integer: bool = False, allow_zero: bool = False) -> None:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    bad = isinstance(value, bool) or not ok_type or not math.isfinite(value)
+    if bad or value < 0 or (value == 0 and not allow_zero):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(key, value, f"must be {kind} {'>= 0' if allow_zero else '> 0'}")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam with decoupled weight decay (megatron's DistributedOptimizer), global-norm clipping and
+    an LR schedule: linear warmup over ``warmup_steps``, then ``decay_style`` down to ``min_lr`` at
+    ``decay_steps`` (``constant`` keeps ``lr``)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_steps: Optional[int] = None
+    decay_style: str = "constant"
+    initial_loss_scale: float = 2.0**16
+    """FP16 only: the starting dynamic loss scale (megatron halves it on overflow, grows it after
+    ``loss_scale_window`` clean steps)."""
+    loss_scale_window: int = 1000
+
+    def __post_init__(self) -> None:
+        k = "actor.optimizer"
+        _positive(f"{k}.lr", self.lr)
+        _positive(f"{k}.min_lr", self.min_lr, allow_zero=True)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"{k}.min_lr", self.min_lr, f"must be <= lr ({self.lr})")
+        _positive(f"{k}.weight_decay", self.weight_decay, allow_zero=True)
+        for name in ("adam_beta1", "adam_beta2"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ConfigError(f"{k}.{name}", v, "must be in [0, 1)")
+        _positive(f"{k}.adam_eps", self.adam_eps)
+        _positive(f"{k}.clip_grad", self.clip_grad, allow_zero=True)
+        _positive(f"{k}.warmup_steps", self.warmup_steps, integer=True, allow_zero=True)
+        if self.decay_style not in DECAY_STYLES:
+            raise ConfigError(f"{k}.decay_style", self.decay_style, f"must be one of {DECAY_STYLES}")
+        if self.decay_steps is not None:
+            _positive(f"{k}.decay_steps", self.decay_steps, integer=True)
+            if self.decay_steps <= self.warmup_steps:
+                raise ConfigError(f"{k}.decay_steps", self.decay_steps,
+                                  f"must exceed warmup_steps ({self.warmup_steps})")
+        elif self.decay_style != "constant":
+            raise ConfigError(f"{k}.decay_steps", None, f"decay_style {self.decay_style!r} needs decay_steps")
+        _positive(f"{k}.initial_loss_scale", self.initial_loss_scale)
+        _positive(f"{k}.loss_scale_window", self.loss_scale_window, integer=True)
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """The trainer: parallel layout, precision, micro-batching and the optimizer.
+
+    ``fp8_backend`` picks who runs the FP8 GEMMs in the ``fp8`` mode: ``native`` (this project's
+    kernels + torch's blockwise ``scaled_mm``, Hopper) or ``te`` (Transformer Engine
+    ``Float8BlockScaling``). ``fp8_gemm`` forces the native GEMM path (``emulate`` runs anywhere,
+    exactly, slowly: for tests). ``max_tokens_per_microbatch`` is the packing budget; a longer
+    sequence runs alone. ``max_seq_len`` defaults to the model's ``max_position_embeddings``.
+    """
+
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    precision: PrecisionRecipe = field(default_factory=PrecisionRecipe)
+    fp8_backend: str = "native"
+    fp8_gemm: str = "auto"
+    max_tokens_per_microbatch: int = 8192
+    max_seq_len: Optional[int] = None
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.parallel, ParallelLayout):
+            raise ConfigError("actor.parallel", self.parallel, "must be a ParallelLayout")
+        if not isinstance(self.precision, PrecisionRecipe):
+            raise ConfigError("actor.precision", self.precision, "must be a PrecisionRecipe")
+        if self.fp8_backend not in FP8_BACKENDS:
+            raise ConfigError("actor.fp8_backend", self.fp8_backend, f"must be one of {FP8_BACKENDS}")
+        if self.fp8_gemm not in GEMM_BACKENDS:
+            raise ConfigError("actor.fp8_gemm", self.fp8_gemm, f"must be one of {GEMM_BACKENDS}")
+        _positive("actor.max_tokens_per_microbatch", self.max_tokens_per_microbatch, integer=True)
+        if self.max_seq_len is not None:
+            _positive("actor.max_seq_len", self.max_seq_len, integer=True)
+        if not isinstance(self.optimizer, OptimizerSettings):
+            raise ConfigError("actor.optimizer", self.optimizer, "must be an OptimizerSettings")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError("actor.seed", self.seed, "must be an integer")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world / (TP x PP); fails, naming the layout, when it does not divide."""
+        model_parallel = self.parallel.tp * self.parallel.pp
+        if world_size % model_parallel:
+            raise ConfigError(
+                "actor.parallel", f"tp={self.parallel.tp} pp={self.parallel.pp}",
+                f"TP x PP = {model_parallel} must divide the world size ({world_size} processes)",
+            )
+        return world_size // model_parallel

@@ -1,0 +1,8 @@
+"""RL math as pure tensor functions: losses (and, later, advantages, rollout correction, metrics).
+
+Imports torch only; every function is tested on CPU against hand-computed values.
+"""
+
+from megatron_jetrl.algo.loss import LossFn, LossInputs, cross_entropy_loss, ppo_clip_loss
+
+__all__ = ["LossFn", "LossInputs", "cross_entropy_loss", "ppo_clip_loss"]
