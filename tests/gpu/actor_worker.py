@@ -270,7 +270,7 @@ class Scenarios:
             convert = load_tool("convert_megatron_to_hf")
             same = True
             for tag in ("ckpt_tp2", "ckpt_tp1_resaved"):
-                assert convert(["--megatron-dir", str(self.root / tag), "--out-dir", str(self.root / f"{tag}_hf")]) == 0
+                assert convert(["--ckpt-dir", str(self.root / tag), "--out-dir", str(self.root / f"{tag}_hf")]) == 0
             from safetensors.torch import load_file
 
             def tensors(d):
@@ -303,7 +303,7 @@ def main() -> int:
     for name in args.scenarios.split(","):
         try:
             getattr(scenarios, name)()
-        except Exception:
+        except (Exception, SystemExit):  # a tool's argparse exit must be reported, not kill the rank
             errors[name] = traceback.format_exc()
             print(f"[rank {dist.get_rank()}] scenario {name} failed:\n{errors[name]}", file=sys.stderr, flush=True)
             from megatron.core import parallel_state

@@ -1,0 +1,81 @@
+"""The actor's layer spec builds a megatron-core GPTModel on CPU (one gloo process): the checkpoint
+keys are the bridge's, the recipe's BF16 first/last layers keep BF16 linears, and a packed forward
+in FP8 (emulated GEMMs) stays close to BF16. megatron-core's RoPE asks for a CUDA device at
+construction; the test points that one call at the CPU."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture
+def megatron_cpu(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def _model(bridge, mode, **fp8):
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_jetrl.actor import ActorSettings
+    from megatron_jetrl.actor.model import configure_fp8_linears, layer_spec, transformer_config
+    from megatron_jetrl.precision import PrecisionRecipe
+
+    settings = ActorSettings(precision=PrecisionRecipe.from_dict({"mode": mode, "fp8": fp8}), fp8_gemm="emulate")
+    config = transformer_config(bridge, settings)
+    config.use_cpu_initialization = True
+    torch.manual_seed(0)
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec(bridge, settings, config),
+                     **bridge.gpt_model_kwargs(settings.parallel))
+    n_fp8 = configure_fp8_linears(model, settings, bridge.dims.num_layers, torch.device("cpu")) if mode == "fp8" else 0
+    return model, n_fp8
+
+
+def test_spec_keys_bf16_layers_and_fp8_forward(megatron_cpu):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_jetrl.actor.checkpoint import checkpoint_key
+    from megatron_jetrl.actor.layers import _Fp8LinearMixin
+    from megatron_jetrl.models import bridge_for
+    from tests.model_fixtures import tiny_hf_model
+
+    bridge = bridge_for(tiny_hf_model("Qwen3ForCausalLM", num_layers=4).config.to_dict())
+    bf16, _ = _model(bridge, "bf16")
+    fp8, n_fp8 = _model(bridge, "fp8", bf16_first_layers=1, bf16_last_layers=1)
+
+    keys = {getattr(v, "key", None) for v in fp8.sharded_state_dict().values()}
+    assert {checkpoint_key(s) for s in bridge.tensor_map()} <= keys
+    enabled = {layer.layer_number: [m.fp8_enabled for m in layer.modules() if isinstance(m, _Fp8LinearMixin)]
+               for layer in fp8.decoder.layers}
+    assert enabled == {1: [False] * 4, 2: [True] * 4, 3: [True] * 4, 4: [False] * 4}
+    assert n_fp8 == 8
+
+    fp8.load_state_dict(bf16.state_dict())
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=60, max_seqlen_kv=60)
+    tokens = torch.randint(0, 1000, (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = bf16(tokens, None, None, packed_seq_params=packed).float()
+        got = fp8(tokens, None, None, packed_seq_params=packed).float()
+        # the packed forward equals each sequence run on its own
+        first = bf16(tokens[:, :40], None, None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu[:2], cu_seqlens_kv=cu[:2], max_seqlen_q=40, max_seqlen_kv=40)).float()
+    assert torch.equal(first, ref[:, :40])
+    # two FP8 layers of a random-init model: a few percent; a wrong GEMM or layout gives ~100 %
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 0.1, rel

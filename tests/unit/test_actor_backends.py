@@ -1,0 +1,50 @@
+"""Backend selection errors the actor raises before touching a GPU, and the Transformer Engine
+contract (runs where TE imports; this project's hosts have no TE, so it is skipped there)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_jetrl.actor.model import check_fp8_device, check_te_backend  # noqa: E402
+from megatron_jetrl.actor.settings import ActorSettings  # noqa: E402
+from megatron_jetrl.config import ConfigError  # noqa: E402
+from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+
+
+def test_native_fp8_without_block_fp8_gemm_names_what_works():
+    settings = ActorSettings(precision=PrecisionRecipe(mode="fp8"))
+    with pytest.raises(ConfigError, match="needs torch's blockwise scaled_mm.*precision.mode='bf16'"):
+        check_fp8_device(settings, torch.device("cpu"))
+    check_fp8_device(ActorSettings(precision=PrecisionRecipe(mode="bf16")), torch.device("cpu"))
+    check_fp8_device(ActorSettings(precision=PrecisionRecipe(mode="fp8"), fp8_gemm="emulate"), torch.device("cpu"))
+
+
+@pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed here; the missing-TE error cannot occur")
+def test_te_backend_without_te_says_so():
+    settings = ActorSettings(precision=PrecisionRecipe(mode="fp8"), fp8_backend="te")
+    with pytest.raises(ConfigError, match="Transformer Engine is not installed; install it or use fp8_backend='native'"
+                       ):
+        check_te_backend(settings, num_layers=4)
+
+
+@pytest.mark.skipif(not HAVE_TE, reason="Transformer Engine is not installed on this machine")
+def test_te_backend_contract(monkeypatch):
+    """TE accepts the recipe's Float8BlockScaling kwargs, the launcher env is enforced, and the TE
+    layer spec is megatron's."""
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    recipe = PrecisionRecipe(mode="fp8")
+    te = recipe.te_settings(num_layers=4)
+    Float8BlockScaling(**te.recipe_kwargs)
+    settings = ActorSettings(precision=recipe, fp8_backend="te")
+    for name, value in te.env.items():
+        monkeypatch.setenv(name, "wrong")
+        with pytest.raises(ConfigError, match=f"set {name}={value} in the launcher"):
+            check_te_backend(settings, num_layers=4)
+        monkeypatch.setenv(name, value)
+    assert check_te_backend(settings, num_layers=4) == te.megatron_kwargs
