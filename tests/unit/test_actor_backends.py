@@ -27,8 +27,8 @@ def test_native_fp8_without_block_fp8_gemm_names_what_works():
 @pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed here; the missing-TE error cannot occur")
 def test_te_backend_without_te_says_so():
     settings = ActorSettings(precision=PrecisionRecipe(mode="fp8"), fp8_backend="te")
-    with pytest.raises(ConfigError, match="Transformer Engine is not installed; install it or use fp8_backend='native'"
-                       ):
+    expected = "Transformer Engine is not installed; install it or use fp8_backend='native'"
+    with pytest.raises(ConfigError, match=expected):
         check_te_backend(settings, num_layers=4)
 
 
