@@ -40,7 +40,9 @@ bench_rc=0
 if [ $tests_only -eq 0 ]; then
   python3 benchmarks/bench_fp8_linear.py --json "$out/bench_fp8_linear.json" 2>&1 | tee "$out/bench.log"
   bench_rc=${PIPESTATUS[0]}
-  layers=${ACTOR_BENCH_LAYERS:-12}
+  # Qwen3-8B-shaped layers that fit one GPU with fp32 Adam state: 12 on an H200 (peak ~90 GB), 6 on an H100
+  mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  layers=${ACTOR_BENCH_LAYERS:-$([ "$mem_mib" -ge 120000 ] && echo 12 || echo 6)}
   CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc-per-node=1 benchmarks/bench_actor_step.py --layers "$layers" \
     --json "$out/bench_actor_tp1.json" >"$out/bench_actor_tp1.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || bench_rc=$rc
