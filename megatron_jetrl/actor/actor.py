@@ -42,8 +42,7 @@ from megatron_jetrl.actor.packing import (
     PackedBatch,
     align_to_tokens,
     next_token_labels,
-    partition_for_data_parallel,
-    plan_micro_batches,
+    plan_batch,
 )
 from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.algo import LossFn, LossInputs
@@ -62,7 +61,6 @@ class TokenLogprobs:
 
 @dataclass
 class _MicroBatch:
-    indices: list[int]
     real_tokens: int
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -121,13 +119,14 @@ class Actor:
         entropy of the distribution each token was drawn from, in fp32."""
         self._check_batch(batch, need_loss_mask=False)
         self.model.eval()
-        micro_batches, shard = self._micro_batches(batch)
+        plan = self._plan(batch)
+        micro_batches = self._micro_batches(batch, plan[parallel_state.get_data_parallel_rank()])
         with torch.no_grad():
             outputs = self._run(micro_batches, forward_only=True,
                                 loss_func=partial(self._collect_logprobs, with_entropy=with_entropy))
         names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
         local = self._pipeline_results(outputs, micro_batches, names)
-        full = self._gather_data_parallel(local, shard, batch)
+        full = self._gather_data_parallel(local, plan, batch)
         return TokenLogprobs(full["logprobs"], full.get("entropy"))
 
     def update(self, batch: PackedBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -138,7 +137,7 @@ class Actor:
         self._check_batch(batch, need_loss_mask=True)
         start = time.perf_counter()
         self.model.train()
-        micro_batches, _ = self._micro_batches(batch)
+        micro_batches = self._micro_batches(batch, self._plan(batch)[parallel_state.get_data_parallel_rank()])
         mask = batch.fields["loss_mask"]
         global_tokens = float(mask.float().sum())
         scale = len(micro_batches) * self.dp_size
@@ -167,16 +166,15 @@ class Actor:
     def fp8_weights(self) -> Iterator[tuple[str, Fp8Weight]]:
         """(parameter name, this rank's FP8 weight) for every linear computing in FP8 now: exactly the
         objects the next forward's GEMMs read. Empty unless the native FP8 backend is on."""
-        for name, module in self.gpt.named_modules():
-            if isinstance(module, _Fp8LinearMixin) and module.fp8_enabled:
-                yield f"{name}.weight", module.fp8_weight()
+        for name, module in self._fp8_linears():
+            yield f"{name}.weight", module.fp8_weight()
 
     def offload(self) -> OffloadReport:
         """Move parameters and optimizer state to pinned CPU memory and free gradients and FP8
         caches, so the rollout engine can use the GPU; ``onload()`` undoes it."""
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        for m in self._fp8_linears():
+        for _, m in self._fp8_linears():
             m.fp8_cache.invalidate()
         params = [p for p in self.model.parameters()]
         grads = [getattr(p, "main_grad", None) for p in params]
@@ -196,10 +194,7 @@ class Actor:
     def close(self) -> None:
         """Release the model, optimizer and megatron's parallel state (another Actor may follow in
         this process). The object is unusable afterwards."""
-        for hook_owner in (self.config,):
-            hook_owner.finalize_model_grads_func = None
-            hook_owner.grad_scale_func = None
-            hook_owner.no_sync_func = None
+        self.config.finalize_model_grads_func = self.config.grad_scale_func = self.config.no_sync_func = None
         self.model = self.gpt = self.optimizer = self.scheduler = None
         self._memory = DeviceMemory()
         parallel_state.destroy_model_parallel()
@@ -225,11 +220,12 @@ class Actor:
 
     # -------------------------------------------------------------- internals
 
-    def _fp8_linears(self):
-        return [m for m in self.gpt.modules() if isinstance(m, _Fp8LinearMixin) and m.fp8_enabled]
+    def _fp8_linears(self) -> list[tuple[str, _Fp8LinearMixin]]:
+        """(module name, linear) of every linear computing in FP8."""
+        return [(n, m) for n, m in self.gpt.named_modules() if isinstance(m, _Fp8LinearMixin) and m.fp8_enabled]
 
     def _refresh_fp8(self) -> None:
-        for m in self._fp8_linears():
+        for _, m in self._fp8_linears():
             m.fp8_cache.invalidate()
             m.fp8_weight()
 
@@ -267,15 +263,14 @@ class Actor:
             if float(batch.fields["loss_mask"].float().sum()) <= 0:
                 raise ValueError("the batch's loss_mask selects no token; there is nothing to train on")
 
-    def _micro_batches(self, batch: PackedBatch) -> tuple[list[_MicroBatch], list[int]]:
-        shards = partition_for_data_parallel(batch.seq_lens, self.dp_size)
-        shard = shards[parallel_state.get_data_parallel_rank()]
-        lens = batch.seq_lens
-        plan = plan_micro_batches([lens[i] for i in shard], self.settings.max_tokens_per_microbatch)
+    def _plan(self, batch: PackedBatch) -> list[list[list[int]]]:
+        return plan_batch(batch.seq_lens, self.dp_size, self.settings.max_tokens_per_microbatch)
+
+    def _micro_batches(self, batch: PackedBatch, groups: list[list[int]]) -> list[_MicroBatch]:
+        """This rank's micro-batches (``groups`` of global sequence indices) on the device."""
         pad = self.settings.parallel.tp if self.config.sequence_parallel else 1
         out = []
-        for group in plan:
-            indices = [shard[j] for j in group]
+        for indices in groups:
             sub = batch.select(indices)
             real = sub.tokens.numel()
             sub = sub.padded_to(pad)
@@ -284,12 +279,12 @@ class Actor:
             max_len = max(sub.seq_lens)
             tokens = sub.tokens.to(self.device, torch.int64)
             out.append(_MicroBatch(
-                indices=indices, real_tokens=real, tokens=tokens, labels=next_token_labels(tokens, cu), cu_seqlens=cu,
+                real_tokens=real, tokens=tokens, labels=next_token_labels(tokens, cu), cu_seqlens=cu,
                 packed=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
                                        max_seqlen_q=max_len, max_seqlen_kv=max_len),
                 fields={k: v.to(self.device) for k, v in sub.fields.items()},
             ))
-        return out, shard
+        return out
 
     def _run(self, micro_batches: list[_MicroBatch], *, forward_only: bool, loss_func) -> list[dict]:
         def forward_step(data_iterator, model):
@@ -332,7 +327,7 @@ class Actor:
         return loss * scale, metrics
 
     def _pipeline_results(self, outputs: list[dict], micro_batches: list[_MicroBatch], names) -> dict:
-        """This DP shard's per-token results in micro-batch order, on every pipeline stage."""
+        """This DP rank's per-token results in micro-batch order, on every pipeline stage."""
         total = sum(mb.real_tokens for mb in micro_batches)
         local = {}
         for name in names:
@@ -343,24 +338,16 @@ class Actor:
             if self.settings.parallel.pp > 1:
                 dist.broadcast(local[name], src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                group=parallel_state.get_pipeline_model_parallel_group())
-        order = [i for mb in micro_batches for i in mb.indices]
-        return {"order": order, **local}
+        return local
 
-    def _gather_data_parallel(self, local: dict, shard: list[int], batch: PackedBatch) -> dict[str, torch.Tensor]:
-        """Every rank's shard results placed at their sequences' positions in the global batch."""
+    def _gather_data_parallel(self, local: dict, plan: list[list[list[int]]], batch: PackedBatch) -> dict:
+        """Every DP rank's results placed at their sequences' positions in the global batch."""
         cu = batch.cu_seqlens.tolist()
         lens = batch.seq_lens
-        shards = partition_for_data_parallel(lens, self.dp_size)
-        orders = []
-        for s in shards:
-            group_plan = plan_micro_batches([lens[i] for i in s], self.settings.max_tokens_per_microbatch)
-            orders.append([s[j] for g in group_plan for j in g])
-        assert orders[parallel_state.get_data_parallel_rank()] == local["order"]
+        orders = [[i for group in groups for i in group] for groups in plan]
         counts = [sum(lens[i] for i in o) for o in orders]
         out = {}
         for name, t in local.items():
-            if name == "order":
-                continue
             if self.dp_size > 1:
                 buf = torch.zeros(max(counts), device=self.device)
                 buf[: t.numel()] = t

@@ -228,7 +228,7 @@ class _SliceLoadPlanner(DefaultLoadPlanner):
             dest.copy_(tensor)
 
 
-def _check_checkpoint(ckpt: Path, bridge: ModelBridge, meta) -> None:
+def check_checkpoint_shapes(ckpt: Path, bridge: ModelBridge, meta) -> None:
     """Every key the bridge needs is stored with the model's shape (the vocab may be padded more)."""
     for spec in bridge.tensor_map():
         key = checkpoint_key(spec)
@@ -245,7 +245,7 @@ def _check_checkpoint(ckpt: Path, bridge: ModelBridge, meta) -> None:
 
 def _read_slices(ckpt: Path, specs: list[TensorSpec], meta) -> dict[str, torch.Tensor]:
     """Full (TP=1) tensors of ``specs`` (one layer's, or the non-layer ones), reading only their
-    slice of each checkpoint key (checked by ``_check_checkpoint``)."""
+    slice of each checkpoint key (checked by ``check_checkpoint_shapes``)."""
     requests, out = {}, {}
     for spec in specs:
         key = checkpoint_key(spec)
@@ -283,7 +283,7 @@ def read_megatron_as_hf(
     for spec in bridge.tensor_map():
         groups.setdefault(spec.layer, []).append(spec)
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
-    _check_checkpoint(ckpt, bridge, meta)
+    check_checkpoint_shapes(ckpt, bridge, meta)
     plan = [(name, meta.state_dict_metadata[checkpoint_key(spec)].properties.dtype, shape)
             for specs in groups.values() for spec in specs
             for name, shape in zip(spec.hf, bridge.hf_shapes(spec), strict=True)]

@@ -114,25 +114,20 @@ def build_gpt(bridge: ModelBridge, settings: ActorSettings, config: TransformerC
     return model.cuda(torch.cuda.current_device())
 
 
-def configure_fp8_linears(model: torch.nn.Module, settings: ActorSettings, num_layers: int, device) -> int:
+def configure_fp8_linears(model: GPTModel, settings: ActorSettings, num_layers: int, device) -> int:
     """Give every native FP8 linear its quantizer and GEMM backend, and switch the linears of the
     recipe's BF16 layers to BF16. Returns how many linears run in FP8."""
     recipe = settings.precision
     quantizer = NativeQuantizer(pow2_scales=recipe.fp8.pow2_scales, eps=recipe.fp8.amax_epsilon)
     gemm = resolve_gemm_backend(settings.fp8_gemm, device)
     n_fp8 = 0
-    for layer in _decoder_layers(model):
+    for layer in model.decoder.layers:
         enabled = recipe.layer_in_fp8(layer.layer_number - 1, num_layers)
         for m in layer.modules():
             if isinstance(m, _Fp8LinearMixin):
                 m.configure_fp8(quantizer=quantizer, gemm=gemm, enabled=enabled)
                 n_fp8 += enabled
     return n_fp8
-
-
-def _decoder_layers(model: torch.nn.Module):
-    gpt = model.module if isinstance(model, DistributedDataParallel) else model
-    return list(gpt.decoder.layers)
 
 
 def wrap_ddp(model: GPTModel, config: TransformerConfig) -> DistributedDataParallel:

@@ -145,3 +145,14 @@ def plan_micro_batches(seq_lens: Sequence[int], max_tokens: int) -> list[list[in
             bins.append([i])
             loads.append(n)
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def plan_batch(seq_lens: Sequence[int], dp_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """For every data-parallel rank, its micro-batches as lists of global sequence indices:
+    ``partition_for_data_parallel`` then ``plan_micro_batches`` within each rank's share. Every rank
+    computes the whole plan, so each knows where every other rank's results belong."""
+    plan = []
+    for shard in partition_for_data_parallel(seq_lens, dp_size):
+        groups = plan_micro_batches([seq_lens[i] for i in shard], max_tokens)
+        plan.append([[shard[j] for j in group] for group in groups])
+    return plan

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 
-from megatron_jetrl.actor.checkpoint import HF_DIR
+from megatron_jetrl.actor.checkpoint import HF_DIR, check_checkpoint_shapes
 from megatron_jetrl.actor.model import use_fused_torch_adam
 from megatron_jetrl.models.hf_checkpoint import CheckpointError
 
@@ -35,7 +36,7 @@ STATE_FILE = "jetrl_state.json"
 """Marks a full actor checkpoint (model + optimizer); a converted HF checkpoint has none."""
 
 
-def _sharded_state(actor: "Actor", *, is_loading: bool, model_only: bool) -> dict:
+def _sharded_state(actor: "Actor", *, is_loading: bool, model_only: bool, extra: Optional[dict] = None) -> dict:
     model_sd = actor.gpt.sharded_state_dict()
     state = {"model": model_sd}
     if not model_only:
@@ -43,7 +44,7 @@ def _sharded_state(actor: "Actor", *, is_loading: bool, model_only: bool) -> dic
                                                                 metadata=OPTIMIZER_FORMAT)
         state["scheduler"] = actor.scheduler.state_dict()
         state["steps"] = actor.steps
-        state["extra"] = {}
+        state["extra"] = extra or {}
     return state
 
 
@@ -57,8 +58,7 @@ def save_actor(actor: "Actor", directory: Path, *, extra: dict) -> None:
         (tmp / HF_DIR).mkdir()
         (tmp / HF_DIR / "config.json").write_text(json.dumps(actor.bridge.hf_config, indent=2) + "\n")
     dist.barrier()
-    state = _sharded_state(actor, is_loading=False, model_only=False)
-    state["extra"] = extra
+    state = _sharded_state(actor, is_loading=False, model_only=False, extra=extra)
     dist_checkpointing.save(state, str(tmp), validate_access_integrity=True)
     dist.barrier()
     if rank == 0:
@@ -80,7 +80,7 @@ def load_actor(actor: "Actor", directory: Path, *, model_only: Optional[bool]) -
         model_only = not has_state
     elif not model_only and not has_state:
         raise CheckpointError(f"{directory} holds model weights only (no {STATE_FILE}); load it with model_only=True")
-    _check_model_shapes(actor, directory)
+    check_checkpoint_shapes(directory, actor.bridge, dcp.FileSystemReader(str(directory)).read_metadata())
     if not model_only:
         _init_empty_adam_state(actor)
     state = _sharded_state(actor, is_loading=True, model_only=model_only)
@@ -155,34 +155,6 @@ def _init_empty_adam_state(actor: "Actor") -> None:
                 if isinstance(inner, torch.optim.Adam) and "step" not in state:
                     on_device = group.get("fused") or group.get("capturable")
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-
-
-def _check_model_shapes(actor: "Actor", directory: Path) -> None:
-    """A checkpoint of another model fails here, naming the tensor, not deep inside DCP."""
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(str(directory)).read_metadata()
-    for sh in _sharded_tensors(actor.gpt.sharded_state_dict()):
-        md = meta.state_dict_metadata.get(sh.key)
-        if md is None or not hasattr(md, "size"):
-            raise CheckpointError(f"checkpoint {directory} has no tensor {sh.key!r}; is it a checkpoint of this model?")
-        stored, want = tuple(md.size), tuple(sh.global_shape)
-        if stored != want and not (sh.allow_shape_mismatch and stored[1:] == want[1:]):
-            raise CheckpointError(f"checkpoint {directory} tensor {sh.key!r} has shape {stored}; this model "
-                                  f"({actor.bridge.architecture}, its config.json) needs {want}")
-
-
-def _sharded_tensors(sd):
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    for v in sd.values():
-        if isinstance(v, ShardedTensor):
-            yield v
-        elif isinstance(v, ShardedTensorFactory):
-            continue
-        elif isinstance(v, dict):
-            yield from _sharded_tensors(v)
 
 
 __all__ = ["load_actor", "save_actor"]

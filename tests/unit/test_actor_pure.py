@@ -12,6 +12,7 @@ from megatron_jetrl.actor.packing import (
     align_to_tokens,
     next_token_labels,
     partition_for_data_parallel,
+    plan_batch,
     plan_micro_batches,
 )
 from megatron_jetrl.actor.settings import ActorSettings, OptimizerSettings
@@ -76,6 +77,17 @@ def test_micro_batches_respect_budget_and_keep_long_sequences_alone():
         total = sum(lens[i] for i in mb)
         assert total <= 10 or len(mb) == 1
     assert [3] in plan
+
+
+def test_plan_batch_gives_each_rank_its_share_in_micro_batches():
+    lens = [100, 1, 50, 50, 2, 98, 30]
+    plan = plan_batch(lens, 2, 120)
+    shards = partition_for_data_parallel(lens, 2)
+    assert len(plan) == 2
+    for groups, shard in zip(plan, shards, strict=True):
+        assert sorted(i for g in groups for i in g) == shard
+        assert all(sum(lens[i] for i in g) <= 120 or len(g) == 1 for g in groups)
+    assert plan == plan_batch(lens, 2, 120)
 
 
 def _reference(logits, labels, vocab_size):
