@@ -1,13 +1,16 @@
 // Registers the extension's functions; validation and dispatch live in quantize.cpp.
 #include <torch/extension.h>
 
+#include "copy_segments.h"
 #include "quantize.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron-jetrl kernels: fused FP8 E4M3 block quantization";
+  m.doc() = "megatron-jetrl kernels: fused FP8 E4M3 block quantization, batched 2-D byte copies";
   m.def("quantize_1x128", &jetrl::quantize_1x128, "1x128-group FP8 quantization, rowwise and/or columnwise",
         py::arg("x"), py::arg("rowwise"), py::arg("columnwise"), py::arg("pow2_scales"), py::arg("eps"));
   m.def("quantize_128x128", &jetrl::quantize_128x128, "128x128-block FP8 quantization, optional transposed copy",
         py::arg("x"), py::arg("with_transpose"), py::arg("pow2_scales"), py::arg("eps"));
+  m.def("copy_segments", &jetrl::copy_segments, "batched 2-D byte copies (int64 table [S, 8], see copy_segments.h)",
+        py::arg("srcs"), py::arg("dsts"), py::arg("table"));
   m.def("with_cuda", &jetrl::with_cuda, "whether the CUDA kernels were compiled in");
 }

@@ -48,7 +48,7 @@ from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.algo import LossFn, LossInputs
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
-from megatron_jetrl.precision import Fp8Weight
+from megatron_jetrl.precision import Fp8Tensor, Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,15 @@ class Actor:
         objects the next forward's GEMMs read. Empty unless the native FP8 backend is on."""
         for name, module in self._fp8_linears():
             yield f"{name}.weight", module.fp8_weight()
+
+    def weight_shards(self) -> dict[str, tuple[torch.Tensor, Optional[Fp8Tensor]]]:
+        """This rank's shard of every model tensor under the bridge's Megatron name (global layer
+        index), with the FP8 weight (checkpoint layout: codes + 128x128 ``scale_inv``) of each linear
+        computing in FP8 -- the very bytes the next forward reads. What the weight sync sends."""
+        if self._memory.offloaded:
+            raise RuntimeError("the actor is offloaded; call onload() before syncing weights")
+        return {name: (param, fp8.fprop if fp8 is not None else None)
+                for name, (param, fp8) in model_lib.named_shards(self.gpt).items()}
 
     def offload(self) -> OffloadReport:
         """Move parameters and optimizer state to pinned CPU memory and free gradients and FP8

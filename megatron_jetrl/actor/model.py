@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from typing import Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -33,7 +34,7 @@ from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
 from megatron_jetrl.ops import NativeQuantizer
-from megatron_jetrl.precision import PrecisionMode, resolve_gemm_backend, scaled_mm_supported
+from megatron_jetrl.precision import Fp8Weight, PrecisionMode, resolve_gemm_backend, scaled_mm_supported
 
 ONE_YEAR_OF_STEPS = 10**9
 """decay_steps of a constant schedule (megatron's scheduler wants a positive horizon)."""
@@ -128,6 +129,29 @@ def configure_fp8_linears(model: GPTModel, settings: ActorSettings, num_layers: 
                 m.configure_fp8(quantizer=quantizer, gemm=gemm, enabled=enabled)
                 n_fp8 += enabled
     return n_fp8
+
+
+def named_shards(model: GPTModel) -> dict[str, tuple[torch.Tensor, Optional[Fp8Weight]]]:
+    """This rank's parameters under the bridge's Megatron names (global layer index, TE-style norm
+    keys through the layer spec's own key map), each with the FP8 weight its linear computes with
+    (None for a BF16 tensor): what the weight sync reads."""
+    out: dict[str, tuple[torch.Tensor, Optional[Fp8Weight]]] = {}
+    for name, param in model.named_parameters():
+        module_name = name.rsplit(".", 1)[0]
+        module = model.get_submodule(module_name)
+        fp8 = module.fp8_weight() if isinstance(module, _Fp8LinearMixin) and name.endswith(".weight") else None
+        if name.startswith(_LAYERS):
+            local, rest = name[len(_LAYERS):].split(".", 1)
+            layer = model.decoder.layers[int(local)]
+            for old, new in layer.submodules_config.sharded_state_dict_keys_map.items():
+                if rest.startswith(old):
+                    rest = new + rest[len(old):]
+            name = f"{_LAYERS}{layer.layer_number - 1}.{rest}"
+        out[name] = (param.detach(), fp8)
+    return out
+
+
+_LAYERS = "decoder.layers."
 
 
 def wrap_ddp(model: GPTModel, config: TransformerConfig) -> DistributedDataParallel:

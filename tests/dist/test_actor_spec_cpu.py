@@ -3,7 +3,6 @@ keys are the bridge's, the recipe's BF16 first/last layers keep BF16 linears, an
 in FP8 (emulated GEMMs) stays close to BF16. megatron-core's RoPE asks for a CUDA device at
 construction; the test points that one call at the CPU."""
 
-import os
 import socket
 
 import pytest
@@ -51,6 +50,8 @@ def test_spec_keys_bf16_layers_and_fp8_forward(megatron_cpu):
 
     from megatron_jetrl.actor.checkpoint import checkpoint_key
     from megatron_jetrl.actor.layers import _Fp8LinearMixin
+    from megatron_jetrl.actor.model import named_shards
+    from megatron_jetrl.precision import quantize_fp8_blockwise
     from megatron_jetrl.models import bridge_for
     from tests.model_fixtures import tiny_hf_model
 
@@ -64,6 +65,18 @@ def test_spec_keys_bf16_layers_and_fp8_forward(megatron_cpu):
                for layer in fp8.decoder.layers}
     assert enabled == {1: [False] * 4, 2: [True] * 4, 3: [True] * 4, 4: [False] * 4}
     assert n_fp8 == 8
+
+    # the weight sync's view: every bridge tensor under its global name, FP8 weights where enabled
+    shards = named_shards(fp8)
+    assert sorted(shards) == sorted(s.megatron for s in bridge.tensor_map())
+    for spec in bridge.tensor_map():
+        param, fp8_weight = shards[spec.megatron]
+        assert tuple(param.shape) == spec.shape, spec.megatron
+        assert (fp8_weight is not None) == (spec.linear and spec.layer in (1, 2)), spec.megatron
+    qkv = shards["decoder.layers.2.self_attention.linear_qkv.weight"]
+    assert qkv[0].data_ptr() == fp8.decoder.layers[2].self_attention.linear_qkv.weight.data_ptr()
+    assert torch.equal(qkv[1].fprop.data.view(torch.uint8),
+                       quantize_fp8_blockwise(qkv[0])[0].view(torch.uint8))
 
     fp8.load_state_dict(bf16.state_dict())
     cu = torch.tensor([0, 40, 100], dtype=torch.int32)

@@ -53,7 +53,8 @@ def _worker(rank, port, ckpt, hf_dir, results):
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 def test_checkpoint_loads_at_tp2_pp2(arch, tmp_path):
     save_tiny_hf(arch, tmp_path / "hf")
-    assert load_tool("convert_hf_to_megatron")(["--hf-dir", str(tmp_path / "hf"), "--out-dir", str(tmp_path / "mg")]) == 0
+    convert = load_tool("convert_hf_to_megatron")
+    assert convert(["--hf-dir", str(tmp_path / "hf"), "--out-dir", str(tmp_path / "mg")]) == 0
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,129 @@
+"""The rollout engine interface: what the trainer and the weight sync ask of any engine.
+
+    engine.wake()                                   # retake GPU memory (weights, KV cache)
+    samples = engine.generate(prompts, sampling)    # n samples per prompt, with rollout logprobs
+    engine.sleep()                                  # free GPU memory for the trainer
+    engine.update_weights(tensors)                  # the sync's output, bucket by bucket
+
+Tensor names are HF checkpoint names (``model.layers.3.self_attn.q_proj.weight``). An FP8 linear
+weight arrives as its float8_e4m3fn codes under ``<name>.weight`` plus fp32 ``<name>.weight_scale_inv``
+[ceil(N/128), ceil(K/128)] (the recipe's checkpoint layout); everything else in the model dtype.
+With rollout TP > 1 each engine rank receives its own TP shard of every linear tensor (the shapes
+``weight_specs()`` reports), and full tensors for embeddings, the LM head and norms.
+
+Rollout logprobs are of the model's own next-token distribution (softmax of the raw logits,
+before temperature, top-k and top-p: vLLM's ``logprobs_mode="raw_logprobs"``), so they compare
+directly with the trainer's ``compute_logprobs``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Literal, Protocol, Sequence
+
+import torch
+
+from megatron_jetrl.config import ConfigError
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``top_k <= 0`` and ``top_p == 1`` disable those filters; ``temperature == 0``
+    is greedy. ``stop_token_ids`` end a sample (the stop token is part of the response).
+    ``seed`` makes a call reproducible on the same engine and inputs."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        k = "rollout.sampling"
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"{k}.n", self.n, "must be an integer >= 1")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ConfigError(f"{k}.temperature", t, "must be a finite number >= 0 (0 = greedy)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ConfigError(f"{k}.top_p", p, "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ConfigError(f"{k}.top_k", self.top_k, "must be an integer (<= 0 disables top-k)")
+        m = self.max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"{k}.max_new_tokens", m, "must be an integer >= 1")
+        stops = tuple(self.stop_token_ids)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stops):
+            raise ConfigError(f"{k}.stop_token_ids", self.stop_token_ids, "must be token ids (integers >= 0)")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"{k}.seed", self.seed, "must be an integer or null")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response. ``tokens`` and ``logprobs`` have equal length; ``finish_reason`` is ``stop``
+    when it ended on a stop token (included in ``tokens``) and ``length`` at max_new_tokens."""
+
+    prompt_index: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class WeightMismatch(ValueError):
+    """Tensors offered to an engine do not match what it holds; raised before anything is written."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
+        """``n`` samples for every prompt, prompt-major: sample ``i * n + j`` is prompt ``i``'s ``j``-th."""
+        ...
+
+    def weight_specs(self) -> dict[str, TensorMeta]:
+        """Every tensor ``update_weights`` accepts on this rank, with the shape and dtype it must have."""
+        ...
+
+    def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load named tensors (any subset of ``weight_specs()``; may be called once per bucket).
+        The engine copies what it needs; the caller may free the tensors afterwards. A sleeping
+        engine retakes its weight memory first (not the KV cache)."""
+        ...
+
+    def sleep(self) -> None:
+        """Release GPU memory (KV cache dropped; weights kept off-GPU or dropped until the next
+        ``update_weights``)."""
+        ...
+
+    def wake(self) -> None:
+        """Retake all GPU memory; ``generate`` needs an awake engine."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def check_against_specs(specs: dict[str, TensorMeta], tensors: dict[str, TensorMeta], *, what: str) -> None:
+    """Raise ``WeightMismatch`` naming the first tensor whose name, shape or dtype ``specs`` does not
+    have, with both shapes."""
+    for name, meta in tensors.items():
+        expected = specs.get(name)
+        if expected is None:
+            close = sorted(s for s in specs if s.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:])[:3]
+            raise WeightMismatch(f"{what}: tensor {name} {list(meta.shape)} is not in the engine"
+                                 + (f" (similar: {close})" if close else ""))
+        if tuple(expected.shape) != tuple(meta.shape) or expected.dtype != meta.dtype:
+            raise WeightMismatch(f"{what}: tensor {name} is {list(meta.shape)} {meta.dtype}; the engine holds "
+                                 f"{list(expected.shape)} {expected.dtype}")
