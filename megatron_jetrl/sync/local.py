@@ -47,7 +47,8 @@ def simulate(plan: SyncPlan, shards_by_rank: Mapping[int, Mapping[str, Shard]], 
              copy: CopyFn = copy_segments_reference, bucket_mb: float = 64,
              report: Optional[SyncReport] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The engine tensors global rank ``dst_rank`` receives, computed in this process."""
-    syncs = {r: WeightSync(plan, r, bucket_mb=bucket_mb, copy=copy) for r in range(plan.world_size)}
+    device = next(iter(shards_by_rank[dst_rank].values())).dense.device
+    syncs = {r: WeightSync(plan, r, bucket_mb=bucket_mb, copy=copy, device=device) for r in range(plan.world_size)}
     report = report or SyncReport()
     me = syncs[dst_rank]
     for i in range(len(me.rounds)):
