@@ -5,8 +5,10 @@
 
 Each rank holds only its own train shards (random BF16, plus the FP8 weights the trainer's FProp
 computes, timed here as ``quantize``: in training they already exist after the optimizer step)
-and an engine holding its rollout tensors, as an in-process engine does (``update_weights``
-copies into them; timed as ``load``). Phases: quantize, pack (copy kernel), exchange (NCCL),
+and an engine holding its rollout tensors, as an in-process engine does. Two paths: ``in-place``
+(the engine offers ``weight_buffers()`` and the copy kernels write straight into them, as with
+the hf engine) and ``handover`` (round tensors go through ``update_weights``, which copies them:
+timed as ``load``; the vLLM path). Phases: quantize, pack (copy kernel), exchange (NCCL),
 unpack (copy kernel), load. The bandwidth floor is the engine's bytes over the copy bandwidth of
 the same GPU in the same run (one ``copy_`` of a 4 GiB buffer: every byte read once and written
 once), i.e. the time to move exactly the engine's bytes once.
@@ -65,6 +67,9 @@ class BufferEngine:
         for name, t in tensors:
             self.tensors[name].copy_(t)
 
+    def weight_buffers(self):
+        return self.tensors
+
 
 def make_shards(sync: WeightSync, mode: str, device) -> tuple[dict[str, Shard], float]:
     """Random BF16 shards of this rank, and the FP8 weights (time of quantizing them all)."""
@@ -95,7 +100,7 @@ def copy_bandwidth(device) -> float:
     return 5 * src.numel() / (time.perf_counter() - start)
 
 
-def run(args, mode: str, rollout_tp: int, device, copy_bw: float) -> dict:
+def run(args, mode: str, rollout_tp: int, device, copy_bw: float, in_place: bool) -> dict:
     bridge = bridge_for(qwen3_8b_shaped(args.layers))
     recipe = PrecisionRecipe(mode=mode)
     plan = SyncPlan(bridge, recipe, ParallelLayout(args.tp, 1), rollout_tp, dist.get_world_size())
@@ -103,21 +108,22 @@ def run(args, mode: str, rollout_tp: int, device, copy_bw: float) -> dict:
     shards, quantize_s = make_shards(sync, mode, device)
     engine = BufferEngine(sync.engine_specs(), device)
     sync.check(shards, engine)
-    sync.sync(shards, engine)  # warm-up (allocator, NCCL channels)
+    sync.sync(shards, engine, in_place=in_place)  # warm-up (allocator, NCCL channels)
     totals, reports = [], []
     for _ in range(args.iters):
         dist.barrier()
-        reports.append(sync.sync(shards, engine, profile=True))
+        reports.append(sync.sync(shards, engine, profile=True, in_place=in_place))
         dist.barrier()
         start = time.perf_counter()
-        sync.sync(shards, engine)
+        sync.sync(shards, engine, in_place=in_place)
         _sync()
         totals.append(time.perf_counter() - start)
     r = reports[-1]
     total = min(totals)
     floor = r.engine_bytes / copy_bw
     result = {
-        "mode": mode, "train_tp": args.tp, "rollout_tp": rollout_tp, "layers": args.layers,
+        "mode": mode, "path": "in-place" if in_place else "handover",
+        "train_tp": args.tp, "rollout_tp": rollout_tp, "layers": args.layers,
         "engine_gb": r.engine_bytes / 1e9, "sent_gb": r.sent_bytes / 1e9, "rounds": r.rounds,
         "quantize_s": quantize_s, **{f"{k}_s": v for k, v in r.seconds.items() if k != "total"},
         "profiled_total_s": r.total_s, "total_s": total, "gbps": r.engine_bytes / total / 1e9,
@@ -146,15 +152,17 @@ def main() -> None:
         dist.init_process_group("gloo")
         device = torch.device("cpu")
     copy_bw = copy_bandwidth(device)
-    results = [run(args, mode, rt, device, copy_bw) for rt in args.rollout_tp for mode in args.modes]
+    results = [run(args, mode, rt, device, copy_bw, in_place) for rt in args.rollout_tp for mode in args.modes
+               for in_place in (True, False)]
     if dist.get_rank() == 0:
         print(f"\nweight sync, Qwen3-8B shapes x {args.layers} layers, {_device_name()}, "
               f"world {dist.get_world_size()}, copy bandwidth {copy_bw / 1e9:.0f} GB/s, bucket {args.bucket_mb:g} MB")
-        cols = ("mode", "train_tp", "rollout_tp", "engine_gb", "sent_gb", "quantize_s", "pack_s", "exchange_s",
+        cols = ("mode", "path", "train_tp", "rollout_tp", "engine_gb", "sent_gb", "quantize_s", "pack_s", "exchange_s",
                 "unpack_s", "load_s", "total_s", "gbps", "floor_s", "x_floor")
         print(" | ".join(f"{c:>10}" for c in cols))
         for r in results:
-            print(" | ".join(f"{r[c]:>10.4f}" if isinstance(r[c], float) else f"{r[c]!s:>10}" for c in cols))
+            print(" | ".join(f"{r.get(c, 0.0):>10.4f}" if isinstance(r.get(c, 0.0), float) else f"{r[c]!s:>10}"
+                             for c in cols))
         if args.json:
             args.json.write_text(json.dumps({"device": _device_name(), "copy_gbps": copy_bw / 1e9,
                                              "results": results}, indent=2))

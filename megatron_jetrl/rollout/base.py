@@ -102,6 +102,11 @@ class RolloutEngine(Protocol):
         engine retakes its weight memory first (not the KV cache)."""
         ...
 
+    # Optional, for in-process engines whose tensors are plain contiguous buffers:
+    #   def weight_buffers(self) -> dict[str, torch.Tensor]
+    # the engine's own tensors (a subset of weight_specs() names), which the weight sync then
+    # writes in place instead of handing over copies through update_weights.
+
     def sleep(self) -> None:
         """Release GPU memory (KV cache dropped; weights kept off-GPU or dropped until the next
         ``update_weights``)."""

@@ -57,6 +57,8 @@ class SyncReport:
     sent_bytes: int = 0
     tensors: int = 0
     rounds: int = 0
+    in_place: int = 0
+    """Engine tensors the kernels wrote straight into the engine's own buffers."""
 
     @property
     def total_s(self) -> float:
@@ -200,12 +202,19 @@ class WeightSync:
 
     # ------------------------------------------------------------------ running
 
-    def sync(self, sources: Mapping[str, Shard], engine: RolloutEngine, *, profile: bool = False) -> SyncReport:
+    def sync(self, sources: Mapping[str, Shard], engine: RolloutEngine, *, profile: bool = False,
+             in_place: bool = True) -> SyncReport:
         """One full transfer into ``engine``. With ``profile`` every phase is synchronised so the
-        report attributes time to it (slightly slower)."""
+        report attributes time to it (slightly slower). With ``in_place`` and an engine that offers
+        ``weight_buffers()``, the copy kernels write straight into the engine's tensors (those whose
+        shape, dtype, device and contiguity match); the rest go through ``update_weights``."""
         report = SyncReport()
         start = time.perf_counter()
-        for tensors, _ in self.iter_rounds(sources, report=report, profile=profile):
+        direct = self._direct_buffers(engine) if in_place else {}
+        report.in_place = len(direct)
+        for tensors, _ in self.iter_rounds(sources, report=report, profile=profile, direct=direct):
+            if not tensors:
+                continue
             t0 = time.perf_counter()
             engine.update_weights(tensors)
             self._sync_device(profile)
@@ -215,24 +224,30 @@ class WeightSync:
         return report
 
     def iter_rounds(self, sources: Mapping[str, Shard], *, report: Optional[SyncReport] = None,
-                    profile: bool = False, exchange=None) -> Iterable[tuple[list[tuple[str, torch.Tensor]], int]]:
-        """(this rank's engine tensors of the round, round index), round by round."""
+                    profile: bool = False, exchange=None, direct: Optional[Mapping[str, torch.Tensor]] = None,
+                    ) -> Iterable[tuple[list[tuple[str, torch.Tensor]], int]]:
+        """(this rank's engine tensors of the round not written in place into ``direct``, round
+        index), round by round."""
         report = report if report is not None else SyncReport()
         exchange = exchange or self._exchange
         for i in range(len(self.rounds)):
-            send, outs = self.pack(i, sources, report=report, profile=profile)
+            send, outs = self.pack(i, sources, report=report, profile=profile, direct=direct)
             t0 = time.perf_counter()
             received = exchange(i, send)
             self._sync_device(profile)
             report.seconds["exchange"] += time.perf_counter() - t0
-            yield self.unpack(i, received, outs, report=report, profile=profile), i
+            yield self.unpack(i, received, outs, report=report, profile=profile, direct=direct), i
 
-    def pack(self, i: int, sources: Mapping[str, Shard], *, report: SyncReport, profile: bool = False):
+    def pack(self, i: int, sources: Mapping[str, Shard], *, report: SyncReport, profile: bool = False,
+             direct: Optional[Mapping[str, torch.Tensor]] = None):
         """Launch 1 of round ``i``: send buffers per peer, and this rank's own pieces in place."""
         rnd = self.rounds[i]
+        direct = direct or {}
         t0 = time.perf_counter()
         send = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in rnd.send_bytes]
-        outs = [self._alloc(shape, kind) for t in rnd.mine for _, shape, kind in _outputs(t)]
+        # a re-quantized tensor is assembled in the model dtype first, never in the engine's FP8 buffer
+        outs = [direct[name] if name in direct and not t.requantize else self._alloc(shape, kind)
+                for t in rnd.mine for name, shape, kind in _outputs(t)]
         srcs = [self._source(sources, name, kind) for name, kind in rnd.sources]
         if rnd.pack_table.shape[0]:
             self.copy(srcs, send + outs, rnd.pack_table)
@@ -242,9 +257,12 @@ class WeightSync:
         return dict(zip(rnd.peers_out, send, strict=True)), outs
 
     def unpack(self, i: int, received: Mapping[int, torch.Tensor], outs: list[torch.Tensor], *, report: SyncReport,
-               profile: bool = False) -> list[tuple[str, torch.Tensor]]:
-        """Launch 2 of round ``i`` and the re-quantization: the round's named engine tensors."""
+               profile: bool = False, direct: Optional[Mapping[str, torch.Tensor]] = None,
+               ) -> list[tuple[str, torch.Tensor]]:
+        """Launch 2 of round ``i`` and the re-quantization: the round's named engine tensors (those
+        not already written in place into ``direct``)."""
         rnd = self.rounds[i]
+        direct = direct or {}
         t0 = time.perf_counter()
         if rnd.unpack_table.shape[0]:
             self.copy([received[p] for p in rnd.peers_in], outs, rnd.unpack_table)
@@ -255,13 +273,16 @@ class WeightSync:
         for t in rnd.mine:
             made = outs[k : k + len(_outputs(t))]
             k += len(made)
-            if t.fp8 and t.requantize:
-                named += self._requantize(t, made[0])
-            else:
-                named += [(name, out) for (name, _, _), out in zip(_outputs(t), made, strict=True)]
+            produced = self._requantize(t, made[0]) if t.fp8 and t.requantize else [
+                (name, out) for (name, _, _), out in zip(_outputs(t), made, strict=True)]
+            for name, out in produced:
+                report.engine_bytes += out.numel() * out.element_size()
+                if name not in direct:
+                    named.append((name, out))
+                elif direct[name] is not out:
+                    direct[name].copy_(out)
         self._sync_device(profile)
         report.seconds["requantize"] += time.perf_counter() - t0
-        report.engine_bytes += sum(x.numel() * x.element_size() for _, x in named)
         report.tensors += len(rnd.mine)
         report.rounds += 1
         return named
@@ -298,6 +319,17 @@ class WeightSync:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         return recv
+
+    def _direct_buffers(self, engine: RolloutEngine) -> dict[str, torch.Tensor]:
+        """The engine's tensors the kernels may write in place: those matching this rank's engine
+        specs in shape and dtype, contiguous, on the sync's device."""
+        offer = getattr(engine, "weight_buffers", None)
+        if offer is None:
+            return {}
+        specs = self.engine_specs()
+        return {name: t for name, t in offer().items()
+                if name in specs and tuple(t.shape) == tuple(specs[name].shape) and t.dtype == specs[name].dtype
+                and t.is_contiguous() and t.device == self.device}
 
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")

@@ -20,11 +20,11 @@ WORKER = Path(__file__).with_name("actor_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(tmp: Path, nproc: int, scenarios: str) -> dict:
+def _launch(tmp: Path, nproc: int, scenarios: str, worker: Path = WORKER) -> dict:
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), "--root", str(tmp), "--scenarios", scenarios]
+           str(worker), "--root", str(tmp), "--scenarios", scenarios]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     results = tmp / "results.json"
     assert results.is_file(), (f"worker wrote no results (rc={proc.returncode}):\n"

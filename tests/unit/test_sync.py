@@ -291,3 +291,35 @@ def test_copy_segments_validates_before_copying():
     with pytest.raises(RuntimeError, match="CPU int64 tensor"):
         copy_segments([src], [dst], torch.zeros(1, 7, dtype=torch.long))
     assert int(dst.sum()) == 0
+
+
+class _BufferEngine(_RecordingEngine):
+    """An in-process engine offering its own tensors for in-place writes (all but one)."""
+
+    def __init__(self, specs, skip):
+        super().__init__(specs)
+        self.buffers = {n: torch.zeros(m.shape, dtype=m.dtype) for n, m in specs.items() if n != skip}
+
+    def weight_buffers(self):
+        return self.buffers
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_in_place_sync_writes_the_engine_buffers(arch):
+    """With weight_buffers() the kernels write straight into the engine, re-quantized tensors
+    (Llama's k/v) are copied in after quantization, and only a tensor the engine does not offer
+    goes through update_weights."""
+    bridge, full, hf = _model(arch)
+    recipe = PrecisionRecipe()
+    plan = SyncPlan(bridge, recipe, ParallelLayout(1, 1), 1, 1)
+    sync = WeightSync(plan, 0, copy=copy_segments_reference, bucket_mb=0.05)
+    skip = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    engine = _BufferEngine(sync.engine_specs(), skip)
+    report = sync.sync(shard_state(bridge, recipe, full, ParallelLayout(1, 1))[0], engine)
+    assert report.in_place == len(sync.engine_specs()) - 1
+    expected = _expected(bridge, recipe, hf, 1, 0)
+    assert engine.loaded == [skip]
+    assert (arch == "LlamaForCausalLM") == bool(plan.requantized)
+    for name, t in expected.items():
+        if name != skip:
+            assert_same_bytes(engine.buffers[name], t, name)
