@@ -35,7 +35,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_jetrl.actor import model as model_lib
-from megatron_jetrl.actor.layers import _Fp8LinearMixin
+from megatron_jetrl.actor.layers import PackedCoreAttention, _Fp8LinearMixin
 from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs
 from megatron_jetrl.actor.memory import DeviceMemory, OffloadReport
 from megatron_jetrl.actor.packing import (
@@ -49,14 +49,18 @@ from megatron_jetrl.algo import LossFn, LossInputs
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
 from megatron_jetrl.precision import Fp8Tensor, Fp8Weight
+from megatron_jetrl.precision.kv_cache import KvAmaxObserver, kv_scales_from_amax
 
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Per-token results of a global batch, aligned with its tokens ([T], fp32, on CPU)."""
+    """Per-token results of a global batch, aligned with its tokens ([T], fp32, on CPU), and, when
+    asked for, the FP8 KV-cache scales measured on it ([num_layers, 3] for q, k, v; fp32, CPU;
+    ``precision/kv_cache.py``)."""
 
     logprobs: torch.Tensor
     entropy: Optional[torch.Tensor]
+    kv_scales: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -114,20 +118,32 @@ class Actor:
 
     # ---------------------------------------------------------------- public API
 
-    def compute_logprobs(self, batch: PackedBatch, *, with_entropy: bool = False) -> TokenLogprobs:
+    def compute_logprobs(self, batch: PackedBatch, *, with_entropy: bool = False,
+                         kv_scales: bool = False) -> TokenLogprobs:
         """log π(token_t | prefix) for every token of ``batch`` (0 at sequence starts), and the
-        entropy of the distribution each token was drawn from, in fp32."""
+        entropy of the distribution each token was drawn from, in fp32. With ``kv_scales``, the
+        same pass also measures the FP8 KV-cache scales of every layer on this batch (all ranks
+        get them)."""
         self._check_batch(batch, need_loss_mask=False)
         self.model.eval()
         plan = self._plan(batch)
         micro_batches = self._micro_batches(batch, plan[parallel_state.get_data_parallel_rank()])
-        with torch.no_grad():
-            outputs = self._run(micro_batches, forward_only=True,
-                                loss_func=partial(self._collect_logprobs, with_entropy=with_entropy))
+        observer = self._attach_kv_observer() if kv_scales else None
+        try:
+            with torch.no_grad():
+                outputs = self._run(micro_batches, forward_only=True,
+                                    loss_func=partial(self._collect_logprobs, with_entropy=with_entropy))
+        finally:
+            if observer is not None:
+                self._attach_kv_observer(None)
         names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
         local = self._pipeline_results(outputs, micro_batches, names)
         full = self._gather_data_parallel(local, plan, batch)
-        return TokenLogprobs(full["logprobs"], full.get("entropy"))
+        scales = None
+        if observer is not None:
+            dist.all_reduce(observer.amax, op=dist.ReduceOp.MAX)  # heads over TP, layers over PP, data over DP
+            scales = kv_scales_from_amax(observer.amax).cpu()
+        return TokenLogprobs(full["logprobs"], full.get("entropy"), scales)
 
     def update(self, batch: PackedBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on ``batch`` with ``loss_fn`` (see ``megatron_jetrl.algo.LossInputs``);
@@ -232,6 +248,20 @@ class Actor:
     def _fp8_linears(self) -> list[tuple[str, _Fp8LinearMixin]]:
         """(module name, linear) of every linear computing in FP8."""
         return [(n, m) for n, m in self.gpt.named_modules() if isinstance(m, _Fp8LinearMixin) and m.fp8_enabled]
+
+    def _attach_kv_observer(self, observer: Optional[KvAmaxObserver] | bool = True) -> Optional[KvAmaxObserver]:
+        """Give every core-attention module of this stage one observer (a new one by default), or
+        detach it with None."""
+        if observer is True:
+            if self.settings.fp8_backend == "te" and self.settings.precision.train_fp8:
+                raise ConfigError("actor.fp8_backend", "te", "KV-cache scale calibration needs the native "
+                                  "backend's attention module (TE's is not instrumented)")
+            observer = KvAmaxObserver(self.bridge.dims.num_layers, self.device,
+                                      tp_group=parallel_state.get_tensor_model_parallel_group())
+        for m in self.gpt.modules():
+            if isinstance(m, PackedCoreAttention):
+                m.kv_observer = observer
+        return observer
 
     def _refresh_fp8(self) -> None:
         for _, m in self._fp8_linears():

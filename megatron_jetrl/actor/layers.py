@@ -34,6 +34,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.attention import varlen
 
 from megatron_jetrl.precision import Fp8Quantizer, Fp8Weight, Fp8WeightCache, fp8_block_linear
+from megatron_jetrl.precision.kv_cache import KvAmaxObserver
 from megatron_jetrl.precision.gemm import GemmBackend
 
 _VARLEN_PARAMS = inspect.signature(varlen.varlen_attn).parameters
@@ -93,6 +94,9 @@ class PackedCoreAttention(MegatronModule):
         if config.context_parallel_size > 1:
             raise ValueError("PackedCoreAttention does not support context parallelism")
         self.layer_number = layer_number
+        self.kv_observer: Optional[KvAmaxObserver] = None
+        """Set by the actor for a pass that calibrates FP8 KV-cache scales (q, k, v arrive here
+        after qk-norm and RoPE, as a KV cache stores them)."""
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -102,11 +106,15 @@ class PackedCoreAttention(MegatronModule):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed sequences must use the 'thd' format; got {packed_seq_params.qkv_format!r}")
+            if self.kv_observer is not None:
+                self.kv_observer.observe(self.layer_number - 1, query, key, value)
             out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
                                           packed_seq_params.max_seqlen_q, self.softmax_scale)
             return out.reshape(out.shape[0], -1)
         s, b = query.shape[:2]
         flat = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value)]
+        if self.kv_observer is not None:
+            self.kv_observer.observe(self.layer_number - 1, *flat)
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
         out = packed_causal_attention(*flat, cu, s, self.softmax_scale)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()

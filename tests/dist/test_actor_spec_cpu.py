@@ -49,7 +49,8 @@ def test_spec_keys_bf16_layers_and_fp8_forward(megatron_cpu):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_jetrl.actor.checkpoint import checkpoint_key
-    from megatron_jetrl.actor.layers import _Fp8LinearMixin
+    from megatron_jetrl.actor.layers import PackedCoreAttention, _Fp8LinearMixin
+    from megatron_jetrl.precision.kv_cache import KvAmaxObserver
     from megatron_jetrl.actor.model import named_shards
     from megatron_jetrl.precision import quantize_fp8_blockwise
     from megatron_jetrl.models import bridge_for
@@ -77,6 +78,30 @@ def test_spec_keys_bf16_layers_and_fp8_forward(megatron_cpu):
     assert qkv[0].data_ptr() == fp8.decoder.layers[2].self_attention.linear_qkv.weight.data_ptr()
     assert torch.equal(qkv[1].fprop.data.view(torch.uint8),
                        quantize_fp8_blockwise(qkv[0])[0].view(torch.uint8))
+
+    # KV-cache calibration: the observer sees q, k, v as core attention gets them (after qk-norm, RoPE)
+    observer = KvAmaxObserver(bridge.dims.num_layers, "cpu")
+    seen = {}
+    attn = [m for m in bf16.modules() if isinstance(m, PackedCoreAttention)]
+
+    def capture(mod, args):
+        seen[mod.layer_number - 1] = args[:3]  # returning None keeps the arguments
+
+    hooks = [m.register_forward_pre_hook(capture) for m in attn]
+    for m in attn:
+        m.kv_observer = observer
+    cu0 = torch.tensor([0, 30, 64], dtype=torch.int32)
+    with torch.no_grad():
+        bf16(torch.randint(0, 1000, (1, 64)), None, None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu0, cu_seqlens_kv=cu0, max_seqlen_q=34, max_seqlen_kv=34))
+    for h in hooks:
+        h.remove()
+    for m in attn:
+        m.kv_observer = None
+    assert sorted(seen) == [0, 1, 2, 3]
+    for layer, qkv in seen.items():
+        want = [x.abs().reshape(x.shape[0], -1).amax(1).float().sort().values[63].item() for x in qkv]
+        assert observer.amax[layer].tolist() == pytest.approx(want, rel=0, abs=0), layer
 
     fp8.load_state_dict(bf16.state_dict())
     cu = torch.tensor([0, 40, 100], dtype=torch.int32)

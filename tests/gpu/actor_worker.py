@@ -239,17 +239,23 @@ class Scenarios:
                 actor = self.actor(arch, mode=mode, **kw)
                 batch = make_batch(actor.bridge.dims.vocab_size)
                 mask = batch.fields["loss_mask"].bool()
-                lp = actor.compute_logprobs(batch).logprobs
+                first = actor.compute_logprobs(batch, kv_scales=True)
+                lp = first.logprobs
                 m = actor.update(batch, cross_entropy_loss)
                 lp_after = actor.compute_logprobs(batch).logprobs
                 if name == "tp1":
                     if mode == "bf16":
-                        ref, ref_after = {}, {}
-                    ref[mode], ref_after[mode] = lp, lp_after
+                        ref, ref_after, ref_kv = {}, {}, {}
+                    ref[mode], ref_after[mode], ref_kv[mode] = lp, lp_after, first.kv_scales
                 out[f"{name}/{mode}"] = {
                     "mean_abs_dlogp_vs_tp1": (lp - ref[mode])[mask].abs().mean().item(),
                     "mean_abs_dlogp_after_step_vs_tp1": (lp_after - ref_after[mode])[mask].abs().mean().item(),
                     "loss": m["loss"], "grad_norm": m["grad_norm"],
+                    # FP8 KV-cache scales measured on the same batch: the layout must not change them
+                    "kv_scales_shape": list(first.kv_scales.shape),
+                    "kv_scales_max_rel_diff_vs_tp1": ((first.kv_scales - ref_kv[mode]).abs()
+                                                      / ref_kv[mode]).max().item(),
+                    "kv_scales_min": first.kv_scales.min().item(),
                 }
                 if name == "tp2" and mode == "bf16":
                     actor.save(self.root / "ckpt_tp2")

@@ -116,6 +116,9 @@ def test_parallel_layouts_match_tp1(two_gpus):
             entry = r[f"{layout}/{mode}"]
             assert entry["mean_abs_dlogp_vs_tp1"] < 2e-2, (layout, mode, entry)
             assert entry["mean_abs_dlogp_after_step_vs_tp1"] < 3e-2, (layout, mode, entry)
+            # KV-cache scales: one per layer for q, k, v; TP / SP / PP only reorder BF16 sums
+            assert entry["kv_scales_shape"] == [4, 3] and entry["kv_scales_min"] > 0, (layout, mode, entry)
+            assert entry["kv_scales_max_rel_diff_vs_tp1"] < 0.02, (layout, mode, entry)
     assert r["tp2_to_tp1_load"]["mean_abs_dlogp_vs_tp2"] < 2e-2
     assert r["tp2_to_tp1_load"]["steps"] == 2  # one step saved at TP=2, one more at TP=1
     assert r["exports_have_same_layout"]
