@@ -28,16 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
 from megatron_jetrl.algo import ppo_clip_loss  # noqa: E402
 from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
+from benchmarks.model_shapes import qwen3_8b_shaped  # noqa: E402
 from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
-
-
-def qwen3_8b_shaped(num_layers: int) -> dict:
-    return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-        "intermediate_size": 12288, "num_hidden_layers": num_layers, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-    }
 
 
 def make_batch(vocab: int, seqs: int, seq_len: int) -> PackedBatch:

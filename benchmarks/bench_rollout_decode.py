@@ -18,26 +18,17 @@ import statistics
 import sys
 import time
 
+from pathlib import Path
+
 import torch
 
-from megatron_jetrl.ops import NativeQuantizer
-from megatron_jetrl.precision import PrecisionRecipe
-from megatron_jetrl.rollout import HfEngine, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": False,
-}
+from benchmarks.model_shapes import qwen3_8b_shaped  # noqa: E402
+from megatron_jetrl.ops import NativeQuantizer  # noqa: E402
+from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
+from megatron_jetrl.rollout import HfEngine, SamplingParams  # noqa: E402
+
 
 
 def random_weights(engine: HfEngine, seed: int) -> dict[str, torch.Tensor]:
@@ -88,7 +79,7 @@ def main(argv=None) -> int:
         return 1
     device = torch.device("cuda")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    config = {**QWEN3_8B, "num_hidden_layers": args.layers}
+    config = qwen3_8b_shaped(args.layers)
     fp8_recipe = PrecisionRecipe(mode="fp8")
     quantizer = NativeQuantizer(pow2_scales=fp8_recipe.fp8.pow2_scales, eps=fp8_recipe.fp8.amax_epsilon)
     kw = dict(device=device, max_num_seqs=max(batch_sizes), cuda_graphs=not args.eager)

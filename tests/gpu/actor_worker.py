@@ -296,7 +296,9 @@ def ppo_clip_loss_with_old(actor: Actor, batch: PackedBatch):
     return ppo_clip_loss
 
 
-def main() -> int:
+def main(scenarios_cls: type = None) -> int:
+    """Run the named scenarios of ``scenarios_cls`` (default: this file's) in one process group;
+    rank 0 writes results.json. Other workers (sync_worker.py) pass their subclass."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True, type=Path)
     ap.add_argument("--scenarios", required=True)
@@ -304,7 +306,7 @@ def main() -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
-    scenarios = Scenarios(args.root)
+    scenarios = (scenarios_cls or Scenarios)(args.root)
     errors = {}
     for name in args.scenarios.split(","):
         try:

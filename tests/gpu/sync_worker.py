@@ -14,13 +14,8 @@
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import hashlib
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -35,7 +30,7 @@ from megatron_jetrl.models.layout import split_qkv  # noqa: E402
 from megatron_jetrl.rollout import HfEngine, SamplingParams  # noqa: E402
 from megatron_jetrl.sync import Shard, SyncPlan, WeightSync  # noqa: E402
 from tests.gpu.actor_worker import Scenarios as ActorScenarios  # noqa: E402
-from tests.gpu.actor_worker import make_batch, rank0  # noqa: E402
+from tests.gpu.actor_worker import main, make_batch  # noqa: E402
 
 ARCH = "Qwen3ForCausalLM"  # head_dim 128: the trainer's FP8 blocks re-slice exactly
 
@@ -181,30 +176,5 @@ class Scenarios(ActorScenarios):
             actor.close()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--root", required=True, type=Path)
-    ap.add_argument("--scenarios", required=True)
-    args = ap.parse_args()
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
-    scenarios = Scenarios(args.root)
-    errors = {}
-    for name in args.scenarios.split(","):
-        try:
-            getattr(scenarios, name)()
-        except (Exception, SystemExit):
-            errors[name] = traceback.format_exc()
-            print(f"[rank {dist.get_rank()}] scenario {name} failed:\n{errors[name]}", file=sys.stderr, flush=True)
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-    if rank0():
-        (args.root / "results.json").write_text(json.dumps({"results": scenarios.results, "errors": errors},
-                                                           indent=1, default=str))
-    dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(Scenarios))
