@@ -19,6 +19,7 @@ load or an onload), and every micro-batch's FProp and DGrad read that one copy;
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.algo import LossFn, LossInputs
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
-from megatron_jetrl.precision import Fp8Tensor, Fp8Weight
+from megatron_jetrl.precision import Fp8Weight, Shard
 from megatron_jetrl.precision.kv_cache import KvAmaxObserver, kv_scales_from_amax
 
 
@@ -128,14 +129,11 @@ class Actor:
         self.model.eval()
         plan = self._plan(batch)
         micro_batches = self._micro_batches(batch, plan[parallel_state.get_data_parallel_rank()])
-        observer = self._attach_kv_observer() if kv_scales else None
-        try:
-            with torch.no_grad():
-                outputs = self._run(micro_batches, forward_only=True,
-                                    loss_func=partial(self._collect_logprobs, with_entropy=with_entropy))
-        finally:
-            if observer is not None:
-                self._attach_kv_observer(None)
+        observer = KvAmaxObserver(self.bridge.dims.num_layers, self.device,
+                                  tp_group=parallel_state.get_tensor_model_parallel_group()) if kv_scales else None
+        with torch.no_grad(), self._kv_observed(observer):
+            outputs = self._run(micro_batches, forward_only=True,
+                                loss_func=partial(self._collect_logprobs, with_entropy=with_entropy))
         names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
         local = self._pipeline_results(outputs, micro_batches, names)
         full = self._gather_data_parallel(local, plan, batch)
@@ -185,13 +183,13 @@ class Actor:
         for name, module in self._fp8_linears():
             yield f"{name}.weight", module.fp8_weight()
 
-    def weight_shards(self) -> dict[str, tuple[torch.Tensor, Optional[Fp8Tensor]]]:
+    def weight_shards(self) -> dict[str, Shard]:
         """This rank's shard of every model tensor under the bridge's Megatron name (global layer
         index), with the FP8 weight (checkpoint layout: codes + 128x128 ``scale_inv``) of each linear
         computing in FP8 -- the very bytes the next forward reads. What the weight sync sends."""
         if self._memory.offloaded:
             raise RuntimeError("the actor is offloaded; call onload() before syncing weights")
-        return {name: (param, fp8.fprop if fp8 is not None else None)
+        return {name: Shard(param, fp8.fprop if fp8 is not None else None)
                 for name, (param, fp8) in model_lib.named_shards(self.gpt).items()}
 
     def offload(self) -> OffloadReport:
@@ -249,19 +247,23 @@ class Actor:
         """(module name, linear) of every linear computing in FP8."""
         return [(n, m) for n, m in self.gpt.named_modules() if isinstance(m, _Fp8LinearMixin) and m.fp8_enabled]
 
-    def _attach_kv_observer(self, observer: Optional[KvAmaxObserver] | bool = True) -> Optional[KvAmaxObserver]:
-        """Give every core-attention module of this stage one observer (a new one by default), or
-        detach it with None."""
-        if observer is True:
-            if self.settings.fp8_backend == "te" and self.settings.precision.train_fp8:
-                raise ConfigError("actor.fp8_backend", "te", "KV-cache scale calibration needs the native "
-                                  "backend's attention module (TE's is not instrumented)")
-            observer = KvAmaxObserver(self.bridge.dims.num_layers, self.device,
-                                      tp_group=parallel_state.get_tensor_model_parallel_group())
-        for m in self.gpt.modules():
-            if isinstance(m, PackedCoreAttention):
-                m.kv_observer = observer
-        return observer
+    @contextlib.contextmanager
+    def _kv_observed(self, observer: Optional[KvAmaxObserver]):
+        """Every core-attention module of this stage reports q/k/v to ``observer`` inside the block."""
+        if observer is None:
+            yield
+            return
+        modules = [m for m in self.gpt.modules() if isinstance(m, PackedCoreAttention)]
+        if not modules:
+            raise ConfigError("actor.fp8_backend", self.settings.fp8_backend, "KV-cache scale calibration needs "
+                              "the local layer spec's attention (Transformer Engine's is not instrumented)")
+        for m in modules:
+            m.kv_observer = observer
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.kv_observer = None
 
     def _refresh_fp8(self) -> None:
         for _, m in self._fp8_linears():

@@ -298,6 +298,13 @@ class ModelBridge:
             parts = (full,)
         return dict(zip(spec.hf, parts, strict=True))
 
+    def shard_shape(self, spec: TensorSpec, size: int) -> tuple[int, ...]:
+        """Shape of every TP rank's ``tp_shard`` of ``spec`` at TP ``size`` (vocab padded to 128 x TP)."""
+        shape = list(spec.shape)
+        if spec.tp_dim is not None:
+            shape[spec.tp_dim] = (self.padded_vocab_size(size) if spec.fuse == VOCAB else shape[spec.tp_dim]) // size
+        return tuple(shape)
+
     def tp_shard(self, spec: TensorSpec, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """TP rank ``rank``'s shard of the full tensor, as megatron-core holds it on that rank."""
         if spec.tp_dim is None:

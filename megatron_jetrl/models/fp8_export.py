@@ -27,7 +27,7 @@ def fp8_weight_names(bridge: ModelBridge, recipe: PrecisionRecipe) -> dict[str, 
     n = bridge.dims.num_layers
     names = {}
     for spec in bridge.tensor_map():
-        if spec.linear and recipe.fp8.bf16_first_layers <= spec.layer < n - recipe.fp8.bf16_last_layers:
+        if spec.linear and recipe.rollout_layer_in_fp8(spec.layer, n):
             names.update(zip(spec.hf, bridge.hf_shapes(spec), strict=True))
     return names
 

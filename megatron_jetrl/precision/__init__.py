@@ -13,6 +13,7 @@ from megatron_jetrl.precision.linear import (
     Fp8Weight,
     Fp8WeightCache,
     ReferenceQuantizer,
+    Shard,
     fp8_block_linear,
 )
 from megatron_jetrl.precision.quant import (
@@ -51,6 +52,7 @@ __all__ = [
     "PrecisionMode",
     "PrecisionRecipe",
     "ReferenceQuantizer",
+    "Shard",
     "TeSettings",
     "VllmSettings",
     "dequantize_fp8_blockwise",

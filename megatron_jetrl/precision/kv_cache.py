@@ -33,7 +33,8 @@ def token_amax(x: torch.Tensor) -> torch.Tensor:
     """[T, ...] -> [T] fp32: every token's max |x| over its remaining dims."""
     if x.dim() < 2:
         raise ValueError(f"expected [tokens, ...]; got shape {tuple(x.shape)}")
-    return x.detach().abs().reshape(x.shape[0], -1).amax(dim=1).float()
+    flat = x.detach().reshape(x.shape[0], -1)
+    return torch.maximum(flat.amax(dim=1), -flat.amin(dim=1)).float()  # max |x| without an |x| copy
 
 
 def nearest_rank_percentile(values: torch.Tensor, q: float = KV_PERCENTILE) -> torch.Tensor:
@@ -70,10 +71,12 @@ class KvAmaxObserver:
         self.tp_group = tp_group
 
     def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """q, k, v as [tokens, heads, head_dim] (any leading token layout flattened by the caller)."""
-        for j, x in enumerate((q, k, v)):
-            if x.shape[0]:
-                a_t = token_amax(x)
-                if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
-                    torch.distributed.all_reduce(a_t, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
-                self.amax[layer, j] = torch.maximum(self.amax[layer, j], nearest_rank_percentile(a_t))
+        """q, k, v as [tokens, heads, head_dim] (any leading token layout flattened by the caller):
+        one TP all-reduce and one selection for the three."""
+        if q.shape[0] == 0:
+            return
+        a_3T = torch.stack([token_amax(q), token_amax(k), token_amax(v)])
+        if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
+            torch.distributed.all_reduce(a_3T, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
+        rank = max(1, math.ceil(KV_PERCENTILE * a_3T.shape[1]))
+        self.amax[layer] = torch.maximum(self.amax[layer], a_3T.kthvalue(rank, dim=1).values)

@@ -20,7 +20,7 @@ or ``megatron_jetrl.ops.NativeQuantizer`` (fused kernels, same bytes), chosen by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 
@@ -45,6 +45,15 @@ class Fp8Weight:
 
     fprop: Fp8Tensor
     dgrad: Fp8Tensor
+
+
+class Shard(NamedTuple):
+    """One rank's shard of a model tensor and, for a linear computing in FP8, the FP8 weight
+    (checkpoint layout: codes + 128x128 ``scale_inv``) its FProp reads: what the weight sync
+    sends (``Actor.weight_shards``)."""
+
+    dense: torch.Tensor
+    fp8: Optional[Fp8Tensor] = None
 
 
 class Fp8Quantizer(Protocol):

@@ -156,7 +156,14 @@ class PrecisionRecipe:
             return False
         return self.fp8.bf16_first_layers <= layer < num_layers - self.fp8.bf16_last_layers
 
-    def _rollout_layer_in_fp8(self, layer: int, num_layers: int) -> bool:
+    def rollout_layer_in_fp8(self, layer: int, num_layers: int) -> bool:
+        """Whether decoder layer ``layer`` runs its linears in FP8 during rollout (and so in the FP8
+        export): every layer but the first/last ``bf16_*_layers``, when rollout is FP8."""
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"layer {layer} out of range for {num_layers} layers")
+        self._check_layers(num_layers)
+        if not self.rollout_fp8:
+            return False
         first, last = self.fp8.bf16_first_layers, self.fp8.bf16_last_layers
         return first <= layer < num_layers - last
 
@@ -216,7 +223,7 @@ class PrecisionRecipe:
         skipped = [
             f"{layer_prefix}.{i}.{name}"
             for i in range(num_layers)
-            if not self._rollout_layer_in_fp8(i, num_layers)
+            if not self.rollout_layer_in_fp8(i, num_layers)
             for name in linear_names
         ]
         if skipped:

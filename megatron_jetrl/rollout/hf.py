@@ -45,6 +45,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import bridge_for
+from megatron_jetrl.models.fp8_export import SCALE_SUFFIX
 from megatron_jetrl.models.hf_checkpoint import CheckpointError, HFCheckpoint
 from megatron_jetrl.ops import NativeQuantizer
 from megatron_jetrl.precision import (
@@ -81,8 +82,6 @@ ATTENTION = "jetrl_slot_attention"
 
 STOP_CHECK_EVERY = 16
 """Decode steps between the host's looks at the device-side finished mask (one sync each)."""
-
-SCALE_SUFFIX = "_scale_inv"
 
 
 class Fp8InferenceLinear(torch.nn.Module):

@@ -89,8 +89,9 @@ class EngineTensor:
         return n
 
     def wire_bytes(self, dense_itemsize: int = 2) -> int:
-        """Bytes the engine receives for this tensor (codes + scales, or dense)."""
-        if self.fp8:
+        """Bytes that travel and are assembled for this tensor: codes + scales, or dense (a
+        re-quantized tensor is assembled dense)."""
+        if self.fp8 and not self.requantize:
             n = 1
             for s in self.scale_shape:
                 n *= s
@@ -213,24 +214,12 @@ class SyncPlan:
         return 0 if spec.megatron.startswith("embedding.") else pp - 1
 
     def _rollout_fp8(self, spec: TensorSpec) -> bool:
-        if not (spec.linear and self.recipe.rollout_fp8):
-            return False
-        f = self.recipe.fp8
-        return f.bf16_first_layers <= spec.layer < self.bridge.dims.num_layers - f.bf16_last_layers
-
-    def _shard_len(self, spec: TensorSpec, dim: int) -> int:
-        if spec.tp_dim is None:
-            return spec.shape[dim]
-        if spec.fuse == VOCAB:
-            return self.bridge.padded_vocab_size(self.train.tp) // self.train.tp
-        return spec.shape[dim] // self.train.tp
+        return spec.linear and self.recipe.rollout_layer_in_fp8(spec.layer, self.bridge.dims.num_layers)
 
     def _blocks_align(self, spec: TensorSpec, dim: int, pieces: tuple[Piece, ...], shape: list[int]) -> bool:
         """Whether every piece covers whole 128-blocks of its source shard and of its destination
         (a partial tail block only where both the shard and the destination end)."""
-        src_len = self._shard_len(spec, dim)
-        if dim == 0 and spec.fuse == FC1:
-            src_len = 2 * src_len  # [gate_r; up_r]: the shard's row count
+        src_len = self.bridge.shard_shape(spec, self.train.tp)[dim]
         for p in pieces:
             if p.src_start % BLOCK or p.dst_start % BLOCK:
                 return False

@@ -25,25 +25,18 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, NamedTuple, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_jetrl.ops import copy_segments, quantize_128x128
-from megatron_jetrl.precision import Fp8Tensor, quantize_fp8_blockwise
+from megatron_jetrl.precision import WEIGHT_BLOCK, Shard
+from megatron_jetrl.precision.quant import block_grid
 from megatron_jetrl.rollout.base import RolloutEngine, TensorMeta, check_against_specs
 from megatron_jetrl.sync.plan import BLOCK, EngineTensor, Piece, SyncPlan
 
 CopyFn = Callable[[list, list, torch.Tensor], None]
-
-
-class Shard(NamedTuple):
-    """One train rank's shard of a Megatron tensor (any 1-D or 2-D contiguous layout the bridge
-    defines) and, for a linear computing in FP8, the FP8 weight its FProp reads."""
-
-    dense: torch.Tensor
-    fp8: Optional[Fp8Tensor] = None
 
 
 @dataclass
@@ -90,8 +83,6 @@ class _Round:
     send_bytes: list[int] = field(default_factory=list)
     peers_in: list[int] = field(default_factory=list)
     recv_bytes: list[int] = field(default_factory=list)
-    pack_rows: list[list[int]] = field(default_factory=list)
-    unpack_rows: list[list[int]] = field(default_factory=list)
     pack_table: Optional[torch.Tensor] = None
     unpack_table: Optional[torch.Tensor] = None
 
@@ -137,10 +128,18 @@ class WeightSync:
 
     def __init__(self, plan: SyncPlan, rank: int, *, bucket_mb: float = 512, device: torch.device | str = "cpu",
                  copy: CopyFn = copy_segments, group=None):
-        self.plan, self.rank, self.device, self.copy, self.group = plan, rank, torch.device(device), copy, group
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.plan, self.rank, self.device, self.copy, self.group = plan, rank, device, copy, group
         self.dense_dtype = plan.recipe.compute_dtype
         self.dense_itemsize = torch.empty((), dtype=self.dense_dtype).element_size()
         self.mine = plan.tensors(rank)
+        self._spec_by_name = {s.megatron: s for s in plan.bridge.tensor_map()}
+        self._tensors_by_rank: dict[int, list[EngineTensor]] = {rank: self.mine}
+        replica = (rank // plan.train.tp) % plan.dp_size
+        self._replica_peers = [r for r in range(plan.world_size)
+                               if r != rank and (r // plan.train.tp) % plan.dp_size == replica]
         self.rounds = [self._build_round(r) for r in plan.rounds(int(bucket_mb * 2**20))]
 
     # ------------------------------------------------------------------ specs
@@ -150,12 +149,11 @@ class WeightSync:
         dtypes = {"dense": self.dense_dtype, "data": torch.float8_e4m3fn, "scale": torch.float32}
         out = {}
         for t in self.mine:
-            if t.fp8 and t.requantize:
-                out[t.name] = TensorMeta(t.shape, torch.float8_e4m3fn)
-                out[t.scale_name] = TensorMeta(t.scale_shape, torch.float32)
-                continue
-            for name, shape, kind in _outputs(t):
-                out[name] = TensorMeta(shape, dtypes[kind])
+            if t.fp8:
+                out[t.name] = TensorMeta(t.shape, dtypes["data"])
+                out[t.scale_name] = TensorMeta(t.scale_shape, dtypes["scale"])
+            else:
+                out[t.name] = TensorMeta(t.shape, dtypes["dense"])
         return out
 
     def source_specs(self) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -170,7 +168,10 @@ class WeightSync:
     def check(self, sources: Mapping[str, Shard], engine: Optional[RolloutEngine] = None) -> None:
         """Raise before any transfer when a source shard or the engine does not match the plan (all
         ranks raise together when torch.distributed is up, so none is left waiting)."""
-        error = self._local_error(sources, engine)
+        try:
+            error = self._local_error(sources, engine)
+        except Exception as e:  # reported through the all-reduce below, never left for peers to wait on
+            error = f"weight sync check failed on rank {self.rank}: {e!r}"
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             flag = torch.tensor([1 if error else 0], device=self._comm_device())
             dist.all_reduce(flag, group=self.group)
@@ -190,9 +191,20 @@ class WeightSync:
             if shard.dense.dtype != self.dense_dtype:
                 return (f"weight sync: trainer tensor {name} is {shard.dense.dtype}; the recipe's rollout dtype is "
                         f"{self.dense_dtype}")
-            if needs_fp8 and shard.fp8 is None:
-                return (f"weight sync: {name} has no FP8 weight on rank {self.rank}; unified FP8 needs the actor in "
-                        "fp8 mode with the native backend")
+            if shard.dense.device != self.device or not shard.dense.is_contiguous():
+                return (f"weight sync: trainer tensor {name} must be contiguous on {self.device}; it is on "
+                        f"{shard.dense.device} with strides {shard.dense.stride()}")
+            if needs_fp8:
+                if shard.fp8 is None:
+                    return (f"weight sync: {name} has no FP8 weight on rank {self.rank}; unified FP8 needs the actor "
+                            "in fp8 mode with the native backend")
+                data, scale = shard.fp8.data, shard.fp8.scale_inv
+                grid = block_grid(shape, WEIGHT_BLOCK)
+                if tuple(data.shape) != shape or tuple(scale.shape) != grid or not data.is_contiguous():
+                    return (f"weight sync: FP8 weight of {name} is {list(data.shape)} with scale_inv "
+                            f"{list(scale.shape)}; the plan expects contiguous {list(shape)} with {list(grid)}")
+                if data.device != self.device or scale.device != self.device:
+                    return f"weight sync: FP8 weight of {name} is on {data.device}; the sync runs on {self.device}"
         if engine is not None:
             try:
                 check_against_specs(engine.weight_specs(), self.engine_specs(), what="weight sync")
@@ -207,12 +219,16 @@ class WeightSync:
         """One full transfer into ``engine``. With ``profile`` every phase is synchronised so the
         report attributes time to it (slightly slower). With ``in_place`` and an engine that offers
         ``weight_buffers()``, the copy kernels write straight into the engine's tensors (those whose
-        shape, dtype, device and contiguity match); the rest go through ``update_weights``."""
+        shape, dtype, device and contiguity match); the rest go through ``update_weights``.
+
+        ``check`` runs first on every call (one small all-reduce): nothing is written into the engine
+        and no rank enters an exchange unless every rank's sources and engine match the plan."""
         report = SyncReport()
         start = time.perf_counter()
+        self.check(sources, engine)
         direct = self._direct_buffers(engine) if in_place else {}
         report.in_place = len(direct)
-        for tensors, _ in self.iter_rounds(sources, report=report, profile=profile, direct=direct):
+        for tensors in self.iter_rounds(sources, report=report, profile=profile, direct=direct):
             if not tensors:
                 continue
             t0 = time.perf_counter()
@@ -224,19 +240,17 @@ class WeightSync:
         return report
 
     def iter_rounds(self, sources: Mapping[str, Shard], *, report: Optional[SyncReport] = None,
-                    profile: bool = False, exchange=None, direct: Optional[Mapping[str, torch.Tensor]] = None,
-                    ) -> Iterable[tuple[list[tuple[str, torch.Tensor]], int]]:
-        """(this rank's engine tensors of the round not written in place into ``direct``, round
-        index), round by round."""
+                    profile: bool = False, direct: Optional[Mapping[str, torch.Tensor]] = None,
+                    ) -> Iterable[list[tuple[str, torch.Tensor]]]:
+        """This rank's engine tensors of each round (those not written in place into ``direct``)."""
         report = report if report is not None else SyncReport()
-        exchange = exchange or self._exchange
         for i in range(len(self.rounds)):
             send, outs = self.pack(i, sources, report=report, profile=profile, direct=direct)
             t0 = time.perf_counter()
-            received = exchange(i, send)
+            received = self._exchange(i, send)
             self._sync_device(profile)
             report.seconds["exchange"] += time.perf_counter() - t0
-            yield self.unpack(i, received, outs, report=report, profile=profile, direct=direct), i
+            yield self.unpack(i, received, outs, report=report, profile=profile, direct=direct)
 
     def pack(self, i: int, sources: Mapping[str, Shard], *, report: SyncReport, profile: bool = False,
              direct: Optional[Mapping[str, torch.Tensor]] = None):
@@ -291,12 +305,8 @@ class WeightSync:
 
     def _requantize(self, t: EngineTensor, dense: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         f = self.plan.recipe.fp8
-        if dense.is_cuda:
-            q, _ = quantize_128x128(dense.contiguous(), pow2_scales=f.pow2_scales, eps=f.amax_epsilon)
-            data, scale = q.data, q.scale_inv
-        else:
-            data, scale = quantize_fp8_blockwise(dense, pow2_scales=f.pow2_scales, eps=f.amax_epsilon)
-        return [(t.name, data), (t.scale_name, scale)]
+        q, _ = quantize_128x128(dense, pow2_scales=f.pow2_scales, eps=f.amax_epsilon)
+        return [(t.name, q.data), (t.scale_name, q.scale_inv)]
 
     def _alloc(self, shape: tuple[int, ...], kind: str) -> torch.Tensor:
         dtype = {"dense": self.dense_dtype, "data": torch.float8_e4m3fn, "scale": torch.float32}[kind]
@@ -339,26 +349,16 @@ class WeightSync:
             torch.cuda.synchronize(self.device)
 
     def _shard_shape(self, name: str) -> tuple[int, ...]:
-        spec = self._specs[name]
-        T = self.plan.train.tp
-        shape = list(spec.shape)
-        if spec.tp_dim is not None:
-            if spec.fuse == "vocab":
-                shape[0] = self.plan.bridge.padded_vocab_size(T) // T
-            else:
-                shape[spec.tp_dim] //= T
-        return tuple(shape) if len(shape) == 2 else (shape[0], 1)
-
-    @property
-    def _specs(self):
-        if not hasattr(self, "_spec_cache"):
-            self._spec_cache = {s.megatron: s for s in self.plan.bridge.tensor_map()}
-        return self._spec_cache
+        """A train rank's shard of Megatron tensor ``name`` (1-D tensors as [n, 1])."""
+        shape = self.plan.bridge.shard_shape(self._spec_by_name[name], self.plan.train.tp)
+        return shape if len(shape) == 2 else (shape[0], 1)
 
     def _build_round(self, indices: range) -> _Round:
         """Segment tables of one round: pack (local sources -> send buffers + own outputs) and
         unpack (received buffers -> own outputs)."""
         rnd = _Round(mine=[self.mine[i] for i in indices])
+        pack_rows: list[list[int]] = []
+        unpack_rows: list[list[int]] = []
         src_ids: dict[tuple[str, str], int] = {}
 
         def src_id(name: str, kind: str) -> int:
@@ -381,10 +381,9 @@ class WeightSync:
             k += len(_outputs(t))
         n_peers_out: dict[int, int] = {}
 
-        # sends: every peer's tensors of this round, pieces sourced here, in the wire order
-        for peer in range(self.plan.world_size):
-            if peer == self.rank:
-                continue
+        # sends: every peer's tensors of this round, pieces sourced here, in the wire order (only
+        # ranks of this rank's data-parallel replica read from it)
+        for peer in self._replica_peers:
             cursor = 0
             for i in indices:
                 t = self.plan_tensors(peer)[i]
@@ -397,8 +396,8 @@ class WeightSync:
                             rnd.peers_out.append(peer)
                             rnd.send_bytes.append(0)
                         off, stride, row_bytes, rows = src_region(p.src, t, part)
-                        rnd.pack_rows.append([src_id(p.src, part.kind), off, stride, n_peers_out[peer], cursor,
-                                              row_bytes, row_bytes, rows])
+                        pack_rows.append([src_id(p.src, part.kind), off, stride, n_peers_out[peer], cursor,
+                                          row_bytes, row_bytes, rows])
                         cursor += part.nbytes
             if peer in n_peers_out:
                 rnd.send_bytes[n_peers_out[peer]] = cursor
@@ -417,25 +416,23 @@ class WeightSync:
                                                                part.other, part.itemsize)
                     if p.src_rank == self.rank:
                         s_off, s_stride, _, _ = src_region(p.src, t, part)
-                        rnd.pack_rows.append([src_id(p.src, part.kind), s_off, s_stride, n_send + out_id, d_off,
-                                              d_stride, row_bytes, rows])
+                        pack_rows.append([src_id(p.src, part.kind), s_off, s_stride, n_send + out_id, d_off,
+                                          d_stride, row_bytes, rows])
                         continue
                     if p.src_rank not in peer_index:
                         peer_index[p.src_rank] = len(rnd.peers_in)
                         rnd.peers_in.append(p.src_rank)
                         cursors[p.src_rank] = 0
-                    rnd.unpack_rows.append([peer_index[p.src_rank], cursors[p.src_rank], row_bytes, out_id, d_off,
-                                            d_stride, row_bytes, rows])
+                    unpack_rows.append([peer_index[p.src_rank], cursors[p.src_rank], row_bytes, out_id, d_off,
+                                        d_stride, row_bytes, rows])
                     cursors[p.src_rank] += part.nbytes
         rnd.recv_bytes = [cursors[p] for p in rnd.peers_in]
-        rnd.pack_table = torch.tensor(rnd.pack_rows, dtype=torch.long).reshape(-1, 8)
-        rnd.unpack_table = torch.tensor(rnd.unpack_rows, dtype=torch.long).reshape(-1, 8)
-        rnd.pack_rows = rnd.unpack_rows = []
+        rnd.pack_table = torch.tensor(pack_rows, dtype=torch.long).reshape(-1, 8)
+        rnd.unpack_table = torch.tensor(unpack_rows, dtype=torch.long).reshape(-1, 8)
         return rnd
 
     def plan_tensors(self, rank: int) -> list[EngineTensor]:
-        if not hasattr(self, "_tensors_by_rank"):
-            self._tensors_by_rank: dict[int, list[EngineTensor]] = {}
+        """The plan's tensors of ``rank`` (computed once per peer)."""
         if rank not in self._tensors_by_rank:
             self._tensors_by_rank[rank] = self.plan.tensors(rank)
         return self._tensors_by_rank[rank]

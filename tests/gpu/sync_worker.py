@@ -28,7 +28,7 @@ from megatron_jetrl.algo import cross_entropy_loss  # noqa: E402
 from megatron_jetrl.models.bridge import FC1, QKV  # noqa: E402
 from megatron_jetrl.models.layout import split_qkv  # noqa: E402
 from megatron_jetrl.rollout import HfEngine, SamplingParams  # noqa: E402
-from megatron_jetrl.sync import Shard, SyncPlan, WeightSync  # noqa: E402
+from megatron_jetrl.sync import SyncPlan, WeightSync  # noqa: E402
 from tests.gpu.actor_worker import Scenarios as ActorScenarios  # noqa: E402
 from tests.gpu.actor_worker import main, make_batch  # noqa: E402
 
@@ -90,7 +90,7 @@ class Scenarios(ActorScenarios):
     def sync_for(self, actor, recipe, rollout_tp: int, engine=None):
         plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, rollout_tp, self.world)
         sync = WeightSync(plan, dist.get_rank(), device=actor.device, bucket_mb=1)
-        shards = {n: Shard(p, f) for n, (p, f) in actor.weight_shards().items()}
+        shards = actor.weight_shards()
         return sync, shards
 
     def _engine_hashes(self, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
