@@ -58,12 +58,13 @@ setup(
         "transformers",
         "pyyaml",
         "rich",
+        "tensorboard",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.9"],
         "vllm": ["vllm>=0.32"],
         "test": ["pytest>=8"],
     },
-    entry_points={},
+    entry_points={"console_scripts": ["jetrl = megatron_jetrl.cli:main"]},
     zip_safe=False,
 )

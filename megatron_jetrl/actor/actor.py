@@ -111,6 +111,7 @@ class Actor:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model.no_sync
         self.steps = 0
+        self._reference: Optional[list[torch.Tensor]] = None
         self._memory = DeviceMemory()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._vocab_start = tp_rank * bridge.padded_vocab_size(par.tp) // par.tp
@@ -176,6 +177,32 @@ class Actor:
             update_time_s=time.perf_counter() - start,
         )
         return metrics
+
+    def keep_reference(self) -> None:
+        """Remember the current parameters as the reference policy (pinned host memory) for
+        ``reference_logprobs``: the KL penalty's anchor, usually the policy RL starts from."""
+        torch.cuda.synchronize()
+        self._reference = [p.detach().to("cpu", copy=True).pin_memory() for p in self.model.parameters()]
+
+    def reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """log π_ref(token_t | prefix) of ``batch`` ([T], fp32, CPU), computed by this model with the
+        reference parameters swapped in for the pass and swapped back after (an extra forward and
+        two host copies of the parameters; no second model in memory)."""
+        if self._reference is None:
+            raise RuntimeError("no reference policy: call keep_reference() first")
+        params = list(self.model.parameters())
+        current = [p.detach().to("cpu", copy=True) for p in params]
+        try:
+            with torch.no_grad():
+                for p, ref in zip(params, self._reference, strict=True):
+                    p.copy_(ref, non_blocking=True)
+            self._refresh_fp8()
+            return self.compute_logprobs(batch).logprobs
+        finally:
+            with torch.no_grad():
+                for p, cur in zip(params, current, strict=True):
+                    p.copy_(cur)
+            self._refresh_fp8()
 
     def fp8_weights(self) -> Iterator[tuple[str, Fp8Weight]]:
         """(parameter name, this rank's FP8 weight) for every linear computing in FP8 now: exactly the

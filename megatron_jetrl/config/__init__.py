@@ -1,9 +1,11 @@
 """Job configuration: the lowest layer of the package.
 
 Every config error names the offending key and the fix, so a bad YAML or override fails at
-start-up, before any GPU work (see ``ConfigError``).
+start-up, before any GPU work (see ``ConfigError``). ``loader`` builds the typed section
+dataclasses from YAML and ``key=value`` overrides.
 """
 
 from megatron_jetrl.config.errors import ConfigError
+from megatron_jetrl.config.loader import apply_overrides, build, load_yaml, parse_override, to_plain
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "apply_overrides", "build", "load_yaml", "parse_override", "to_plain"]

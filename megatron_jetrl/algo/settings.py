@@ -1,0 +1,141 @@
+"""What the algorithm is given: typed, validated settings (the ``algo`` section of a job config).
+
+Validation happens at construction and names the dotted key, so a bad value fails before any GPU
+work. Defaults, and the papers they come from:
+
+    algo.loss.clip_low / clip_high         0.2 / 0.28   PPO ε, DAPO's clip-higher (ε_high > ε_low)
+    algo.loss.gspo_clip_low / _high        3e-4 / 4e-4  GSPO paper (sequence ratios sit near 1)
+    algo.loss.cispo_clip_low / _high       1.0 / 4.0    CISPO (MiniMax-M1): no lower bound on the
+                                                        IS weight (1 − 1 = 0), weight capped at 5
+    algo.correction.clip                   2.0          TIS truncation C (Yao et al., verl default)
+    algo.correction.low / high             0.5 / 2.0    MIS / IcePop acceptance region [α, β]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_jetrl.algo.advantages import ADVANTAGES
+from megatron_jetrl.config import ConfigError
+
+LOSS_TYPES = ("ppo", "gspo", "cispo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_TYPES = ("k1", "k3")
+CORRECTION_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop")
+
+
+def _number(key: str, value, *, low: float, high: float = math.inf, low_open: bool = False,
+            high_open: bool = False) -> None:
+    """``value`` is a finite real (not a bool) in the interval; the message states the interval."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        left = "(" if low_open else "["
+        right = ")" if high_open or high == math.inf else "]"
+        raise ConfigError(key, value, f"must be a finite number in {left}{low:g}, {high:g}{right}")
+
+
+def _choice(key: str, value, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(key, value, f"must be one of {allowed}")
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The policy objective (``algo.loss``); formulas in ``algo/loss.py``.
+
+    ``type``: ``ppo`` (token-ratio clip, with optional ``dual_clip`` c > 1 that caps the loss of
+    negative-advantage tokens at c·|A|), ``gspo`` (sequence ratio, clipped with ``gspo_clip_*``),
+    ``cispo`` (clipped, stop-gradient IS weight times log π, bounds ``cispo_clip_*``). ``aggregation``
+    turns per-token losses into the batch loss (GSPO's paper uses ``seq-mean-token-mean``; DAPO and
+    Dr. GRPO use ``token-mean``). ``kl_coef`` > 0 adds a KL penalty to the reference policy (needs the
+    batch field ``ref_logprobs``); ``entropy_coef`` > 0 subtracts an entropy bonus.
+    """
+
+    type: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: Optional[float] = None
+    gspo_clip_low: float = 3e-4
+    gspo_clip_high: float = 4e-4
+    cispo_clip_low: float = 1.0
+    cispo_clip_high: float = 4.0
+    aggregation: str = "token-mean"
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        k = "algo.loss"
+        _choice(f"{k}.type", self.type, LOSS_TYPES)
+        _number(f"{k}.clip_low", self.clip_low, low=0.0, high=1.0, low_open=True, high_open=True)
+        _number(f"{k}.clip_high", self.clip_high, low=0.0, low_open=True)
+        if self.dual_clip is not None:
+            _number(f"{k}.dual_clip", self.dual_clip, low=1.0, low_open=True)
+            if self.type != "ppo":
+                raise ConfigError(f"{k}.dual_clip", self.dual_clip,
+                                  f"applies to type 'ppo' only; remove it for type {self.type!r}")
+        _number(f"{k}.gspo_clip_low", self.gspo_clip_low, low=0.0, high=1.0, low_open=True, high_open=True)
+        _number(f"{k}.gspo_clip_high", self.gspo_clip_high, low=0.0, low_open=True)
+        _number(f"{k}.cispo_clip_low", self.cispo_clip_low, low=0.0, high=1.0)
+        _number(f"{k}.cispo_clip_high", self.cispo_clip_high, low=0.0, low_open=True)
+        _choice(f"{k}.aggregation", self.aggregation, AGGREGATIONS)
+        _number(f"{k}.kl_coef", self.kl_coef, low=0.0)
+        _choice(f"{k}.kl_type", self.kl_type, KL_TYPES)
+        _number(f"{k}.entropy_coef", self.entropy_coef, low=0.0)
+
+
+@dataclass(frozen=True)
+class CorrectionSettings:
+    """Train-inference mismatch correction (``algo.correction``); formulas in ``algo/correction.py``.
+
+    ``mode``: ``none``; ``token_tis`` / ``seq_tis`` (truncated IS, weights min(ρ, ``clip``));
+    ``token_mis`` / ``seq_mis`` (masked IS: weight ρ inside [``low``, ``high``], token or whole
+    sequence dropped outside); ``icepop`` (token-level masked IS under its paper's name: identical to
+    ``token_mis``). ``bypass`` uses the rollout logprobs as the old policy (no recompute phase); the
+    PPO ratio π/π_rollout then carries the correction itself, so ``mode`` must be ``none``.
+    """
+
+    mode: str = "none"
+    clip: float = 2.0
+    low: float = 0.5
+    high: float = 2.0
+    bypass: bool = False
+
+    def __post_init__(self) -> None:
+        k = "algo.correction"
+        _choice(f"{k}.mode", self.mode, CORRECTION_MODES)
+        _number(f"{k}.clip", self.clip, low=1.0)
+        _number(f"{k}.low", self.low, low=0.0, high=1.0, high_open=True)
+        _number(f"{k}.high", self.high, low=1.0, low_open=True)
+        if not isinstance(self.bypass, bool):
+            raise ConfigError(f"{k}.bypass", self.bypass, "must be true or false")
+        if self.bypass and self.mode != "none":
+            raise ConfigError(f"{k}.bypass", self.bypass,
+                              f"bypass makes π_old = π_rollout, so mode {self.mode!r} has nothing to correct; "
+                              "set mode: none or bypass: false")
+
+
+@dataclass(frozen=True)
+class AlgoSettings:
+    """The RL algorithm: advantage estimator (a key of ``ADVANTAGES``), samples per prompt, the
+    policy loss and the rollout correction."""
+
+    advantage: str = "grpo"
+    group_size: int = 8
+    loss: PolicyLossSettings = field(default_factory=PolicyLossSettings)
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)
+
+    def __post_init__(self) -> None:
+        _choice("algo.advantage", self.advantage, tuple(sorted(ADVANTAGES)))
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ConfigError("algo.group_size", self.group_size, "must be an integer >= 1")
+        if self.advantage == "rloo" and self.group_size < 2:
+            raise ConfigError("algo.group_size", self.group_size,
+                              "advantage 'rloo' needs group_size >= 2 (it leaves one sample out)")
+        if not isinstance(self.loss, PolicyLossSettings):
+            raise ConfigError("algo.loss", self.loss, "must be a PolicyLossSettings")
+        if not isinstance(self.correction, CorrectionSettings):
+            raise ConfigError("algo.correction", self.correction, "must be a CorrectionSettings")

@@ -1,0 +1,280 @@
+"""A whole RL job's configuration: YAML + ``key=value`` overrides -> ``JobConfig``, validated
+before anything expensive starts, and the resolved layout ``jetrl check`` prints.
+
+Sections and who reads them (each module receives only its own section):
+
+    run        RunSettings         the run directory, steps, seed, checkpoints, evaluation
+    model      ModelSettings       HF config (file or inline), initial weights, tokenizer
+    precision  PrecisionRecipe     one recipe for trainer, rollout and sync
+    actor      ActorSettings       trainer layout, micro-batching, optimizer (precision: above)
+    rollout    RolloutSettings     engine and sampling (n = algo.group_size)
+    algo       AlgoSettings        advantages, policy loss, rollout correction
+    data       DataSettings        prompts, sampling order, dynamic sampling, overlong handling
+    reward     RewardSettings      answer checking
+    sft        SftSettings         optional supervised warm-up before RL (the tiny example's)
+    log        LogSettings         console, TensorBoard, Weights & Biases
+
+Only this module, ``trainer.py`` and ``cli.py`` see the whole ``JobConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from megatron_jetrl.actor.settings import ActorSettings
+from megatron_jetrl.algo.settings import AlgoSettings
+from megatron_jetrl.config import ConfigError, apply_overrides, build, load_yaml, to_plain
+from megatron_jetrl.data.settings import DataSettings, RewardSettings
+from megatron_jetrl.models import ModelBridge, bridge_for
+from megatron_jetrl.precision import PrecisionRecipe
+from megatron_jetrl.rollout.settings import RolloutSettings
+from megatron_jetrl.runtime.metrics import LogSettings
+
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """``dir`` holds everything a run writes (resolved config, checkpoints, metrics, TensorBoard).
+    ``resume``: continue from the newest complete checkpoint in ``dir`` (false: refuse to start
+    when ``dir`` already has checkpoints, so nothing is overwritten). ``save_every`` 0 saves only
+    at the end and on preemption; ``eval_every`` 0 never evaluates."""
+
+    dir: str
+    steps: int
+    seed: int = 1
+    save_every: int = 50
+    keep_last: int = 2
+    eval_every: int = 0
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ConfigError("run.dir", self.dir, "must be a directory path")
+        _int("run.steps", self.steps, 1)
+        _int("run.save_every", self.save_every, 0)
+        _int("run.keep_last", self.keep_last, 1)
+        _int("run.eval_every", self.eval_every, 0)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The policy. ``hf_config``: an HF model directory (its ``config.json``) or a config file;
+    ``config``: entries merged over it, or the whole HF config when ``hf_config`` is not set.
+    ``checkpoint``: initial weights, a megatron checkpoint from ``tools/convert_hf_to_megatron.py``
+    (or a run's checkpoint); unset means random initialisation (synthetic tasks). ``tokenizer``:
+    ``synthetic:<task>`` or an HF tokenizer directory (default: the ``hf_config`` directory)."""
+
+    hf_config: Optional[str] = None
+    config: dict = field(default_factory=dict)
+    checkpoint: Optional[str] = None
+    tokenizer: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.hf_config is None and not self.config:
+            raise ConfigError("model.hf_config", None,
+                              "set an HF model directory (or config.json), or model.config inline")
+        if self.tokenizer is None and self.hf_config is None:
+            raise ConfigError("model.tokenizer", None, "set synthetic:<task> or a tokenizer directory")
+
+    def hf_config_dict(self) -> dict[str, Any]:
+        """The HF config: the file's entries, then ``config``'s."""
+        base: dict[str, Any] = {}
+        if self.hf_config is not None:
+            path = Path(self.hf_config)
+            path = path / "config.json" if path.is_dir() else path
+            if not path.is_file():
+                raise ConfigError("model.hf_config", self.hf_config, "no config.json there; pass an HF model directory")
+            try:
+                base = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError("model.hf_config", str(path), f"is not valid JSON: {e}") from None
+        return {**base, **self.config}
+
+    @property
+    def tokenizer_spec(self) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer
+        path = Path(self.hf_config)
+        return str(path if path.is_dir() else path.parent)
+
+
+@dataclass(frozen=True)
+class SftSettings:
+    """Supervised warm-up before RL: ``steps`` optimizer steps of cross-entropy on the responses
+    (field ``response_key`` of the train records; synthetic tasks call it ``solution``) at constant
+    ``lr``, ``batch_size`` sequences per step. Runs once per run directory, before RL step 1."""
+
+    steps: int = 0
+    batch_size: int = 64
+    lr: float = 1e-3
+    response_key: str = "solution"
+
+    def __post_init__(self) -> None:
+        _int("sft.steps", self.steps, 0)
+        _int("sft.batch_size", self.batch_size, 1)
+        if not self.lr > 0:
+            raise ConfigError("sft.lr", self.lr, "must be > 0")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    run: RunSettings
+    model: ModelSettings
+    data: DataSettings
+    precision: PrecisionRecipe = field(default_factory=PrecisionRecipe)
+    actor: ActorSettings = field(default_factory=ActorSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    algo: AlgoSettings = field(default_factory=AlgoSettings)
+    reward: RewardSettings = field(default_factory=RewardSettings)
+    sft: SftSettings = field(default_factory=SftSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data; ``load_job`` of it gives this config back."""
+        out = to_plain(self)
+        out["actor"].pop("precision")
+        for name in _JOB_SET_SAMPLING:
+            out["rollout"]["sampling"].pop(name)
+        return out
+
+
+_JOB_SET_SAMPLING = {"n": "algo.group_size", "seed": "run.seed (each step's seed derives from it)"}
+
+
+def load_job(path: str | Path | None, overrides: Sequence[str] = (), *, raw: Mapping[str, Any] | None = None
+             ) -> JobConfig:
+    """The job from a YAML file (or an already-read mapping ``raw``) with ``key=value`` overrides.
+    Raises ``ConfigError`` naming the key for anything unknown, missing or invalid."""
+    data = load_yaml(path) if raw is None else dict(raw)
+    data = apply_overrides(data, overrides)
+    known = {f.name for f in dataclasses.fields(JobConfig)}
+    for name in data:
+        if name not in known:
+            raise ConfigError(str(name), data[name], f"unknown section; a job has {sorted(known)}")
+    actor_raw = _section(data, "actor")
+    if "precision" in actor_raw:
+        raise ConfigError("actor.precision", actor_raw["precision"],
+                          "precision is a top-level section (it is shared by trainer, rollout and sync)")
+    rollout_raw = _section(data, "rollout")
+    sampling_raw = _section(rollout_raw, "sampling", "rollout")
+    for name, owner in _JOB_SET_SAMPLING.items():
+        if name in sampling_raw:
+            raise ConfigError(f"rollout.sampling.{name}", sampling_raw[name], f"is set by the job from {owner}")
+    precision = build(PrecisionRecipe, data.get("precision"), "precision")
+    algo = build(AlgoSettings, data.get("algo"), "algo")
+    job = JobConfig(
+        run=build(RunSettings, data.get("run"), "run") if "run" in data else _missing("run"),
+        model=build(ModelSettings, data.get("model"), "model") if "model" in data else _missing("model"),
+        data=build(DataSettings, data.get("data"), "data") if "data" in data else _missing("data"),
+        precision=precision,
+        actor=build(ActorSettings, actor_raw, "actor", fixed={"precision": precision}),
+        rollout=build(RolloutSettings, rollout_raw, "rollout"),
+        algo=algo,
+        reward=build(RewardSettings, data.get("reward"), "reward"),
+        sft=build(SftSettings, data.get("sft"), "sft"),
+        log=build(LogSettings, data.get("log"), "log"),
+    )
+    _check_together(job)
+    return job
+
+
+def _check_together(job: JobConfig) -> None:
+    """Rules across sections (each section validated itself already)."""
+    if job.rollout.fp8_kv_cache and not job.precision.rollout_fp8:
+        raise ConfigError("rollout.vllm.kv_cache_dtype", "fp8",
+                          f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
+
+
+def resolve(job: JobConfig, world_size: int) -> "Resolved":
+    """The model, layout and memory estimate for ``world_size`` processes, without a GPU.
+    Raises ``ConfigError`` when the layout does not divide the world or the model."""
+    from megatron_jetrl.estimate import estimate_memory
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError("world_size", world_size, "must be an integer >= 1")
+    hf_config = job.model.hf_config_dict()
+    bridge = bridge_for(hf_config)
+    bridge.check_layout(job.actor.parallel)
+    job.precision.layer_in_fp8(0, bridge.dims.num_layers)
+    dp = job.actor.data_parallel_size(world_size)
+    rollout_tp = job.rollout.tp
+    if world_size % rollout_tp:
+        raise ConfigError("rollout.vllm.tensor_parallel_size", rollout_tp,
+                          f"must divide the world size ({world_size} processes)")
+    longest = job.data.train.max_prompt_tokens + job.rollout.sampling.max_new_tokens
+    limit = job.actor.max_seq_len or bridge.dims.max_position_embeddings
+    if longest > limit:
+        raise ConfigError("rollout.sampling.max_new_tokens", job.rollout.sampling.max_new_tokens,
+                          f"data.train.max_prompt_tokens ({job.data.train.max_prompt_tokens}) + max_new_tokens = "
+                          f"{longest} exceeds the model's sequence limit ({limit}; actor.max_seq_len / "
+                          "max_position_embeddings)")
+    if job.data.prompts_per_step * job.algo.group_size < dp:
+        raise ConfigError("data.prompts_per_step", job.data.prompts_per_step,
+                          f"prompts_per_step x algo.group_size must give every one of the {dp} data-parallel "
+                          "ranks at least one response")
+    memory = estimate_memory(bridge, job.actor, job.rollout, job.data, world_size)
+    return Resolved(bridge=bridge, hf_config=hf_config, world_size=world_size, dp=dp, rollout_tp=rollout_tp,
+                    rollout_replicas=world_size // rollout_tp, memory=memory)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    bridge: ModelBridge
+    hf_config: dict
+    world_size: int
+    dp: int
+    rollout_tp: int
+    rollout_replicas: int
+    memory: Any
+
+    def describe(self, job: JobConfig) -> list[str]:
+        d = self.bridge.dims
+        par = job.actor.parallel
+        params = self.memory.total_params
+        lines = [
+            f"model        {d.architecture}: {d.num_layers} layers, hidden {d.hidden_size}, ffn {d.ffn_hidden_size}, "
+            f"heads {d.num_heads}/{d.num_groups} x {d.head_dim}, vocab {d.vocab_size} ({_count(params)} parameters)",
+            f"precision    {job.precision.mode.value}"
+            + (f" (bf16 first/last layers {job.precision.fp8.bf16_first_layers}/{job.precision.fp8.bf16_last_layers})"
+               if job.precision.train_fp8 or job.precision.rollout_fp8 else ""),
+            f"world        {self.world_size} processes",
+            f"trainer      TP={par.tp} PP={par.pp} DP={self.dp}" + (" +SP" if par.sequence_parallel else ""),
+            f"rollout      engine {job.rollout.engine}, TP={self.rollout_tp}, {self.rollout_replicas} replicas",
+            f"batch        {job.data.prompts_per_step} prompts x {job.algo.group_size} samples, "
+            f"<= {job.data.train.max_prompt_tokens} + {job.rollout.sampling.max_new_tokens} tokens",
+            "memory/GPU   (estimate, GB)",
+        ]
+        lines += [f"  {name:<24} {gb:8.2f}" for name, gb in self.memory.rows()]
+        return lines
+
+
+def _section(data: dict, name: str, parent: str = "") -> dict:
+    value = data.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        key = f"{parent}.{name}" if parent else name
+        raise ConfigError(key, value, "must be a mapping")
+    return value
+
+
+def _missing(name: str):
+    raise ConfigError(name, None, "the section is required")
+
+
+def _int(key: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(key, value, f"must be an integer >= {low}")
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{1 if n < 10 * scale else 0}f}{unit}"
+    return str(int(n))
+

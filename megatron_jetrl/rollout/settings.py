@@ -1,0 +1,65 @@
+"""The ``rollout`` section of a job: which engine, how it samples, and its own options.
+
+The number of samples per prompt is ``algo.group_size`` and the sampling seed derives from
+``run.seed`` and the step, so ``rollout.sampling`` holds neither (the job sets them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_jetrl.config import ConfigError
+from megatron_jetrl.precision import GEMM_BACKENDS
+from megatron_jetrl.rollout.base import SamplingParams
+from megatron_jetrl.rollout.vllm_engine import VllmOptions
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class HfOptions:
+    """The ``rollout.hf`` section (see ``HfEngine``): batch limits of the transformers engine."""
+
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 131072
+    max_prefill_tokens: int = 16384
+    cuda_graphs: bool = True
+    gemm: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_batch_tokens", "max_prefill_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"rollout.hf.{name}", v, "must be an integer >= 1")
+        if self.gemm not in GEMM_BACKENDS:
+            raise ConfigError("rollout.hf.gemm", self.gemm, f"must be one of {GEMM_BACKENDS}")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """``engine``: ``hf`` (transformers, this project's FP8 linears; rollout TP 1) or ``vllm``
+    (production). ``offload_actor``: while the engine generates, the actor's parameters and
+    optimizer state wait in host memory, and the engine sleeps while the actor trains (colocation;
+    turn off only when both fit on the GPU at once)."""
+
+    engine: str = "hf"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    hf: HfOptions = field(default_factory=HfOptions)
+    vllm: VllmOptions = field(default_factory=VllmOptions)
+    offload_actor: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError("rollout.engine", self.engine, f"must be one of {list(ENGINES)}")
+        if self.engine == "hf" and self.vllm.kv_cache_dtype != "auto":
+            raise ConfigError("rollout.vllm.kv_cache_dtype", self.vllm.kv_cache_dtype,
+                              "an FP8 KV cache needs rollout.engine=vllm (the hf engine keeps it in the model dtype)")
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel size of one rollout engine."""
+        return self.vllm.tensor_parallel_size if self.engine == "vllm" else 1
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.engine == "vllm" and self.vllm.kv_cache_dtype == "fp8"

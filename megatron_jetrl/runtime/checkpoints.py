@@ -1,0 +1,174 @@
+"""Run checkpoints that a crash can never leave half-published.
+
+Layout under ``run_dir/checkpoints/``::
+
+    step_00000100/            a complete checkpoint: whatever the trainer wrote, plus COMPLETE
+      COMPLETE                JSON {step, world_size, time}; written last, fsynced
+      actor/ trainer_state.json rng/rank_00000.pt ...   (the trainer's content, not this module's)
+    step_00000200.tmp/        staging for a checkpoint being written (or one a crash abandoned)
+    latest                    one line: the name of the newest committed step directory
+
+The protocol, run by every rank (SPMD) on a filesystem all ranks share:
+
+1. ``begin(step)``: rank 0 makes a fresh ``step_XXXXXXXX.tmp/``; barrier; every rank writes into it.
+2. ``commit(step)``: barrier (all writes done); rank 0 writes ``COMPLETE``, renames ``.tmp`` to the
+   final name (atomic), rewrites ``latest`` atomically, prunes old checkpoints; barrier.
+
+A step directory without ``.tmp`` exists only after its contents and ``COMPLETE`` were durable, and
+``latest`` is only ever replaced whole, so an exception or a kill at any point leaves ``latest()``
+returning the last complete checkpoint. Each writer is responsible for the durability of its own
+files (``torch.distributed.checkpoint`` fsyncs by default; ``save_rng`` and ``save_json_atomic``
+do); ``COMPLETE`` says "every rank returned from writing", not "every byte is on disk".
+
+Collective methods (``begin``, ``commit``, ``clean_stale``) must be called by every rank. An
+exception on rank 0 inside them leaves the other ranks waiting in a barrier until the process
+group's timeout, and nothing half-written is published.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron_jetrl.runtime.atomic import fsync_dir, save_json_atomic, write_atomic
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+class RunCheckpoints:
+    """The commit protocol for ``run_dir/checkpoints`` (see the module docstring).
+
+    ``barrier`` is ``torch.distributed.barrier`` in a job (or ``lambda: None`` in one process);
+    ``keep_last`` >= 1 complete checkpoints survive each commit.
+    """
+
+    def __init__(self, run_dir: Path, keep_last: int, rank: int, world_size: int,
+                 barrier: Callable[[], None]):
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.rank = rank
+        self.world_size = world_size
+        self._barrier = barrier
+
+    def step_dir(self, step: int) -> Path:
+        """Where the complete checkpoint of ``step`` lives (whether or not it exists)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        return self.root / f"step_{step:08d}"
+
+    @staticmethod
+    def step_of(path: Path) -> int:
+        """The step a checkpoint directory holds: ``step_00000100`` -> 100."""
+        m = _STEP_RE.match(Path(path).name)
+        if m is None:
+            raise ValueError(f"{path} is not a step directory (step_XXXXXXXX)")
+        return int(m.group(1))
+
+    def _staging(self, step: int) -> Path:
+        return self.step_dir(step).with_name(self.step_dir(step).name + ".tmp")
+
+    def begin(self, step: int) -> Path:
+        """Collective. A fresh, empty staging directory for ``step`` (a stale one is removed)."""
+        staging = self._staging(step)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir()
+            fsync_dir(self.root)
+        self._barrier()
+        return staging
+
+    def commit(self, step: int) -> Path:
+        """Collective. Publish the staging directory of ``step``; returns the final directory.
+
+        A complete checkpoint of the same step is replaced. Pruning keeps the ``keep_last`` newest
+        complete checkpoints not newer than ``step``; newer ones can only be a future that was
+        rolled back (``latest`` edited by hand to an older step) and are removed, so that neither
+        the pointer nor the fallback scan can lead back to them.
+        """
+        staging, final = self._staging(step), self.step_dir(step)
+        self._barrier()
+        if self.rank == 0:
+            if not staging.is_dir():
+                raise FileNotFoundError(f"{staging} does not exist: commit({step}) without begin({step})")
+            save_json_atomic(staging / COMPLETE, {"step": step, "world_size": self.world_size, "time": time.time()})
+            replaced = None
+            if final.exists():
+                replaced = final.with_name(final.name + ".replaced.tmp")
+                if replaced.exists():
+                    shutil.rmtree(replaced)
+                os.rename(final, replaced)
+            os.rename(staging, final)
+            fsync_dir(self.root)
+            write_atomic(self.root / LATEST, final.name + "\n")
+            self._prune(step)
+            if replaced is not None:
+                shutil.rmtree(replaced)
+        self._barrier()
+        return final
+
+    def _complete_steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        steps = []
+        for entry in self.root.iterdir():
+            m = _STEP_RE.match(entry.name)
+            if m and (entry / COMPLETE).is_file():
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def _prune(self, step: int) -> None:
+        steps = self._complete_steps()
+        older = [s for s in steps if s <= step]
+        doomed = older[: max(0, len(older) - self.keep_last)] + [s for s in steps if s > step]
+        for s in doomed:
+            # Renamed first so a crash mid-rmtree cannot leave a half-deleted dir that looks complete.
+            victim = self.step_dir(s)
+            trash = victim.with_name(victim.name + ".deleting.tmp")
+            os.rename(victim, trash)
+            shutil.rmtree(trash)
+
+    def latest(self) -> Optional[Path]:
+        """The newest complete checkpoint, or None. Local (no collective).
+
+        Follows ``latest`` when it names a complete step directory, which also lets a person roll
+        a run back by editing it; otherwise (missing, garbage, pointing at a deleted or incomplete
+        directory) the newest step directory holding ``COMPLETE``. ``.tmp`` dirs are never chosen.
+        """
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            name = pointer.read_text(encoding="utf-8").strip()
+            if _STEP_RE.match(name) and (self.root / name / COMPLETE).is_file():
+                return self.root / name
+        steps = self._complete_steps()
+        return self.step_dir(steps[-1]) if steps else None
+
+    def clean_stale(self) -> list[Path]:
+        """Collective. Rank 0 removes what a crash left: every ``*.tmp`` entry of ``checkpoints/``
+        (staging dirs, half-pruned dirs, temp files of atomic writes). Call once at start, before
+        ``latest()``. Step directories without ``COMPLETE`` are left alone (not this protocol's;
+        ``latest()`` ignores them). Returns what rank 0 removed (empty on other ranks)."""
+        removed = []
+        if self.rank == 0 and self.root.is_dir():
+            for entry in sorted(self.root.iterdir()):
+                if entry.name.endswith(".tmp"):
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry)
+                    else:
+                        entry.unlink()
+                    removed.append(entry)
+            if removed:
+                fsync_dir(self.root)
+        self._barrier()
+        return removed

@@ -1,0 +1,420 @@
+"""The RL loop. One step, on every rank of the job (colocated: trainer and engine share the GPUs):
+
+    generate   engine awake, actor offloaded: sample group_size responses per prompt, score them,
+               refill groups with equal rewards (dynamic sampling)
+    advantages group-relative, from the rewards
+    logprobs   engine asleep, actor on the GPU: the trainer's log π_old of every response token
+               (and the FP8 KV-cache scales), mismatch metrics against the engine's logprobs,
+               rollout correction weights
+    update     one optimizer step with the policy loss (on-policy)
+    sync       the trainer's weights (its own FP8 bytes and scales) into the engine
+    evaluate   every run.eval_every steps
+
+then a checkpoint every run.save_every steps, at the end, and when SIGTERM/SIGUSR1 asks (SLURM
+preemption); rerunning the same command continues with the exact next batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_jetrl.actor import OptimizerSettings
+from megatron_jetrl.algo import advantages as compute_advantages
+from megatron_jetrl.algo import cross_entropy_loss, make_policy_loss, mismatch_metrics, rollout_correction
+from megatron_jetrl.config import ConfigError
+from megatron_jetrl.data.datasets import Prompt, PromptDataset
+from megatron_jetrl.data.filters import overlong_penalty
+from megatron_jetrl.data.rewards import build_reward
+from megatron_jetrl.data.sampler import PromptSampler
+from megatron_jetrl.data.tokenizer import load_tokenizer
+from megatron_jetrl.job import JobConfig, Resolved
+from megatron_jetrl.precision.kv_cache import kv_scale_names
+from megatron_jetrl.rollout import RolloutEngine, SamplingParams
+from megatron_jetrl.rollouts import Group, Response, StepRollouts, prompt_major, replica_share, supervised_batch
+from megatron_jetrl.rollouts import training_batch
+from megatron_jetrl.runtime.checkpoints import RunCheckpoints
+from megatron_jetrl.runtime.console import ConsoleView
+from megatron_jetrl.runtime.metrics import MetricsLogger
+from megatron_jetrl.runtime.rng import load_rng, save_rng
+from megatron_jetrl.runtime.signals import PreemptionSignal, any_rank
+from megatron_jetrl.runtime.timing import PhaseTimer
+from megatron_jetrl.sync import SyncPlan, WeightSync
+
+EXIT_PREEMPTED = 75
+"""Exit status after a preemption checkpoint (EX_TEMPFAIL: run the same command again)."""
+
+CONSOLE_KEYS = ("reward/mean", "len=response/length_mean", "entropy=actor/entropy", "k3_kl=rollout_corr/k3_kl",
+                "eval=eval/reward", "gen=timing/generate_s", "lp=timing/logprobs_s", "upd=timing/update_s",
+                "sync=timing/sync_s", "{} tok/s/gpu=perf/tokens_per_s_per_gpu")
+
+
+class Trainer:
+    """Build on every rank after ``torch.distributed`` is initialised (``cli.py`` does it);
+    ``run()`` returns the process exit status. ``device`` and ``actor_cls`` default to the GPU and
+    the megatron ``Actor``; tests pass others to run the loop's plumbing on a CPU."""
+
+    def __init__(self, job: JobConfig, resolved: Resolved, *, run_dir: Path,
+                 device: Optional[torch.device] = None, actor_cls: Optional[type] = None):
+        self.job, self.resolved, self.run_dir = job, resolved, run_dir
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if actor_cls is None:
+            from megatron_jetrl.actor import Actor as actor_cls
+        self._actor_cls = actor_cls
+        self.replica, self.replicas = self.rank // resolved.rollout_tp, resolved.rollout_replicas
+        self.tokenizer = load_tokenizer(job.model.tokenizer_spec)
+        self.train_set = PromptDataset.from_settings(job.data.train, self.tokenizer, "data.train")
+        self.eval_set = (PromptDataset.from_settings(job.data.eval, self.tokenizer, "data.eval")
+                         if job.data.eval is not None else None)
+        self.sampler = PromptSampler(len(self.train_set), job.data.seed, job.data.shuffle)
+        self.reward = build_reward(job.reward)
+        stops = tuple(sorted({*job.rollout.sampling.stop_token_ids, self.tokenizer.eos_token_id}))
+        self.sampling = dataclasses.replace(job.rollout.sampling, n=job.algo.group_size, stop_token_ids=stops)
+        self.loss_fn = make_policy_loss(job.algo.loss)
+        self.checkpoints = RunCheckpoints(run_dir, job.run.keep_last, self.rank, self.world, barrier=dist.barrier)
+        self.console = ConsoleView(job.run.steps, enabled=self.rank == 0 and job.log.console)
+        self.timer = PhaseTimer(sync=torch.cuda.synchronize if self.device.type == "cuda" else None)
+        self.step = 0
+        self.actor = None
+        self.engine: Optional[RolloutEngine] = None
+        self.metrics: Optional[MetricsLogger] = None
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        with PreemptionSignal() as preemption:
+            if not self._start(preemption):
+                return self._stop(preemption, saved=False)
+            while self.step < self.job.run.steps:
+                metrics = self.train_step()
+                if self.job.run.eval_every and self.step % self.job.run.eval_every == 0:
+                    metrics.update(self.evaluate())
+                self.metrics.log(self.step, metrics)
+                self.console.step_done(self.step, metrics, CONSOLE_KEYS)
+                stop = preemption.agreed(self._any_rank)
+                last = self.step == self.job.run.steps
+                if stop or last or (self.job.run.save_every and self.step % self.job.run.save_every == 0):
+                    self.save()
+                if stop:
+                    return self._stop(preemption, saved=True)
+        self.console.log(f"done: {self.step} steps; run directory {self.run_dir}")
+        return 0
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step (see the module docstring); returns its metrics."""
+        self.step += 1
+        self.timer.reset()
+        self._rollout_mode()
+        with self._phase("generate"):
+            rollouts = self.collect(self.job.data.prompts_per_step)
+        with self._phase("advantages"):
+            rewards = torch.tensor([r.reward for r in rollouts.responses])
+            adv = compute_advantages(self.job.algo.advantage, rewards, self.job.algo.group_size)
+            batch = training_batch(rollouts.groups, adv, mask_truncated=self.job.data.overlong.mode == "filter")
+        self._train_mode()
+        metrics = rollouts.metrics()
+        with self._phase("logprobs"):
+            batch, extra = self.prepare_update(batch)
+        metrics.update(extra)
+        with self._phase("update"):
+            metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch, self.loss_fn).items()})
+        with self._phase("sync"):
+            self.sync_weights(extra.pop("_kv_scales", None))
+        seconds = self.timer.seconds
+        seconds["step"] = sum(seconds.values())
+        metrics.update({f"timing/{k}_s": v for k, v in seconds.items()})
+        metrics["perf/tokens_per_s_per_gpu"] = batch.tokens.numel() / seconds["step"] / self.world
+        metrics["actor/steps"] = float(self.actor.steps)
+        return {k: v for k, v in metrics.items() if not k.startswith("_")}
+
+    # ------------------------------------------------------------------ phases
+
+    def collect(self, num_prompts: int) -> StepRollouts:
+        """Sample, generate and score until ``num_prompts`` groups carry a learning signal
+        (dynamic sampling), or its round limit is reached."""
+        ds = self.job.data.dynamic_sampling
+        out = StepRollouts()
+        while True:
+            need = num_prompts - len(out.groups)
+            indices = self.sampler.next(need)
+            prompts = [self.train_set[i] for i in indices]
+            groups, timeouts, errors = self.generate(prompts, self.sampling, seed=self._seed(out.rounds))
+            out.rounds += 1
+            out.prompts_sampled += len(prompts)
+            out.groups_generated += len(groups)
+            out.reward_timeouts += timeouts
+            out.reward_errors += errors
+            if not ds.enabled:
+                out.groups.extend(groups)
+                return out
+            out.groups.extend(g for g in groups if not g.uniform)
+            if len(out.groups) >= num_prompts or out.rounds >= ds.max_rounds:
+                break
+        if not out.groups:  # every group uniform: train on the last round's (zero advantages)
+            out.groups = groups
+        out.groups = out.groups[:num_prompts]
+        return out
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams, *, seed: int
+                 ) -> tuple[list[Group], int, int]:
+        """Each rollout replica generates and scores its share of ``prompts``; every rank gets all
+        groups back in prompt order, with the reward timeouts and errors."""
+        mine = replica_share(prompts, self.replica, self.replicas)
+        samples = self.engine.generate([list(prompts[i].token_ids) for i in mine],
+                                       dataclasses.replace(sampling, seed=seed))
+        texts = [self.tokenizer.decode(self._strip_stop(s.tokens)) for s in samples]
+        scored = self.reward(texts, [prompts[mine[s.prompt_index]].answer for s in samples])
+        penalty = self._overlong_penalty([len(s.tokens) for s in samples], sampling.max_new_tokens)
+        local: dict[int, list[Response]] = {}
+        for s, score, pen in zip(samples, scored.scores, penalty, strict=True):
+            local.setdefault(mine[s.prompt_index], []).append(
+                Response(list(s.tokens), list(s.logprobs), s.finish_reason == "length", score, score + pen))
+        share = [(pos, resp) for pos, resp in local.items()] if self.rank % self.resolved.rollout_tp == 0 else []
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, (share, scored.timeouts, scored.errors))
+        responses = prompt_major([p[0] for p in parts])
+        groups = [Group(p.index, p.token_ids, r) for p, r in zip(prompts, responses, strict=True)]
+        return groups, sum(p[1] for p in parts), sum(p[2] for p in parts)
+
+    def prepare_update(self, batch):
+        """Old logprobs (or the rollout's, in bypass mode), reference logprobs for the KL penalty,
+        rollout correction and the mismatch metrics; returns the batch with those fields."""
+        corr_settings = self.job.algo.correction
+        fields = dict(batch.fields)
+        metrics: dict = {}
+        rollout_lp, mask = fields["rollout_logprobs"], fields["loss_mask"]
+        if corr_settings.bypass:
+            fields["old_logprobs"] = rollout_lp
+        else:
+            out = self.actor.compute_logprobs(batch, kv_scales=self.job.rollout.fp8_kv_cache)
+            fields["old_logprobs"] = out.logprobs
+            metrics.update(mismatch_metrics(out.logprobs, rollout_lp, mask))
+            metrics["_kv_scales"] = out.kv_scales
+            corr = rollout_correction(out.logprobs, rollout_lp, mask, batch.cu_seqlens, corr_settings)
+            metrics.update(corr.metrics)
+            if corr_settings.mode != "none":
+                fields["is_weights"], fields["loss_mask"] = corr.weights, corr.loss_mask
+        if self.job.algo.loss.kl_coef > 0:
+            fields["ref_logprobs"] = self.actor.reference_logprobs(batch)
+        return dataclasses.replace(batch, fields=fields), metrics
+
+    def sync_weights(self, kv_scales: Optional[torch.Tensor] = None) -> None:
+        """The actor's weights (its FP8 bytes and scales) into the engine, and the FP8 KV-cache
+        scales measured by this step's logprob pass when the engine keeps an FP8 KV cache."""
+        self.engine.wake()
+        report = self.sync.sync(self.actor.weight_shards(), self.engine)
+        if self.job.rollout.fp8_kv_cache and kv_scales is not None:
+            names = kv_scale_names(self.resolved.bridge.dims.num_layers)
+            self.engine.update_weights(list(zip(names, kv_scales.flatten().unbind(0), strict=True)))
+        self._engine_awake = True
+        self.last_sync = report
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean score of one greedy response per evaluation prompt."""
+        if self.eval_set is None:
+            return {}
+        self._rollout_mode()
+        start = time.perf_counter()
+        n = min(len(self.eval_set), self.job.data.eval_size or len(self.eval_set))
+        prompts = [self.eval_set[i] for i in range(n)]
+        greedy = dataclasses.replace(self.sampling, n=1, temperature=0.0)
+        groups, _, _ = self.generate(prompts, greedy, seed=0)
+        scores = [g.responses[0].score for g in groups]
+        lengths = [len(g.responses[0].tokens) for g in groups]
+        return {"eval/reward": sum(scores) / n, "eval/response_length": sum(lengths) / n,
+                "timing/eval_s": time.perf_counter() - start}
+
+    # ------------------------------------------------------------------ start, save, stop
+
+    def _start(self, preemption: PreemptionSignal) -> bool:
+        """Resume from the newest complete checkpoint, or start fresh (initial weights, optional
+        supervised warm-up); then the first weight sync and, on a fresh run, a step-0 evaluation.
+        False when a signal stopped the warm-up."""
+        self.checkpoints.clean_stale()
+        latest = self.checkpoints.latest()
+        if latest is not None and not self.job.run.resume:
+            raise ConfigError("run.resume", False, f"{self.run_dir} has checkpoints ({latest.name}); "
+                              "use a new run.dir, or run.resume=true to continue")
+        fresh = latest is None
+        if fresh and self.job.sft.steps and not self._warmup(preemption):
+            return False
+        self.actor = self._actor_cls(self.resolved.bridge, self.job.actor)
+        initial = self._initial_weights()
+        if initial is not None:
+            self.actor.load(initial, model_only=True)
+        if self.job.algo.loss.kl_coef > 0:
+            self.actor.keep_reference()
+        if not fresh:
+            self._restore(latest)
+            self.console.close()
+            self.console = ConsoleView(self.job.run.steps, enabled=self.rank == 0 and self.job.log.console,
+                                       start_step=self.step)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=self.job.log.tensorboard, wandb=self.job.log.wandb,
+                                     enabled=self.rank == 0, config=self.job.to_dict(), start_step=self.step)
+        self.engine = self._build_engine()
+        plan = SyncPlan(self.resolved.bridge, self.job.precision, self.job.actor.parallel,
+                        self.resolved.rollout_tp, self.world)
+        self.sync = WeightSync(plan, self.rank, device=self.device)
+        self._engine_awake = True
+        self._actor_offloaded = False
+        self.sync_weights()
+        if fresh and self.job.run.eval_every:
+            metrics = self.evaluate()
+            self.metrics.log(0, metrics)
+            self.console.step_done(0, metrics, CONSOLE_KEYS)
+        return True
+
+    def _initial_weights(self) -> Optional[Path]:
+        if self.job.sft.steps:
+            return self._sft_checkpoints().latest() / "actor"
+        return Path(self.job.model.checkpoint) if self.job.model.checkpoint else None
+
+    def save(self) -> None:
+        """A checkpoint of this step: the actor (model, optimizer, scheduler), the data position and
+        every rank's RNG states; written to a staging directory and renamed when complete."""
+        self._train_mode()
+        start = time.perf_counter()
+        staging = self.checkpoints.begin(self.step)
+        self.actor.save(staging / "actor", extra={"step": self.step})
+        save_rng(staging, self.rank)
+        if self.rank == 0:
+            state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.job.to_dict()}
+            (staging / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        self.checkpoints.commit(self.step)
+        self.console.log(f"checkpoint step {self.step} saved in {time.perf_counter() - start:.1f} s")
+
+    def _restore(self, checkpoint: Path) -> None:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        extra = self.actor.load(checkpoint / "actor")
+        if extra.get("step") != state["step"]:
+            raise RuntimeError(f"{checkpoint}: actor checkpoint is of step {extra.get('step')}, trainer state of "
+                               f"step {state['step']}")
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        load_rng(checkpoint, self.rank)
+        self.console.log(f"resumed from {checkpoint} (step {self.step})")
+
+    def _stop(self, preemption: PreemptionSignal, *, saved: bool) -> int:
+        what = f"checkpoint of step {self.step} saved" if saved else "stopped before training started"
+        self.console.log(f"{preemption.signal_name or 'a signal'} received: {what}; "
+                         "run the same command to continue")
+        return EXIT_PREEMPTED
+
+    def close(self) -> None:
+        self.reward.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.console.close()
+        if self.engine is not None:
+            self.engine.close()
+        if self.actor is not None:
+            self.actor.close()
+
+    # ------------------------------------------------------------------ supervised warm-up
+
+    def _sft_checkpoints(self) -> RunCheckpoints:
+        return RunCheckpoints(self.run_dir / "sft", 1, self.rank, self.world, barrier=dist.barrier)
+
+    def _warmup(self, preemption: PreemptionSignal) -> bool:
+        """``sft.steps`` of cross-entropy on the train records' responses with an actor of its own
+        (constant ``sft.lr``), saved once under run_dir/sft; the RL actor starts from it. A signal
+        stops it unsaved (False): a rerun starts the warm-up again."""
+        sft, ckpts = self.job.sft, self._sft_checkpoints()
+        ckpts.clean_stale()
+        if ckpts.latest() is not None:
+            return True
+        optimizer = OptimizerSettings(lr=sft.lr, weight_decay=self.job.actor.optimizer.weight_decay,
+                                      clip_grad=self.job.actor.optimizer.clip_grad,
+                                      initial_loss_scale=self.job.actor.optimizer.initial_loss_scale)
+        actor = self._actor_cls(self.resolved.bridge, dataclasses.replace(self.job.actor, optimizer=optimizer))
+        if self.job.model.checkpoint:
+            actor.load(self.job.model.checkpoint, model_only=True)
+        responses = self.train_set.records_field(sft.response_key, "sft.response_key")
+        g = torch.Generator().manual_seed(self.job.data.seed)
+        log = MetricsLogger(self.run_dir / "sft", tensorboard=self.job.log.tensorboard, enabled=self.rank == 0)
+        eos = self.tokenizer.eos_token_id
+        for k in range(1, sft.steps + 1):
+            idx = torch.randint(0, len(self.train_set), (sft.batch_size,), generator=g).tolist()
+            batch = supervised_batch([self.train_set[i].token_ids for i in idx],
+                                     [self.tokenizer.encode(responses[i]) + [eos] for i in idx])
+            with self.console.phase("sft"):
+                m = actor.update(batch, cross_entropy_loss)
+            log.log(k, {f"sft/{n}": v for n, v in m.items()})
+            if k % max(1, sft.steps // 10) == 0 or k == sft.steps:
+                self.console.log(f"sft {k}/{sft.steps} | loss {m['loss']:.4f}")
+            if preemption.agreed(self._any_rank):
+                log.close()
+                actor.close()
+                return False
+        staging = ckpts.begin(sft.steps)
+        actor.save(staging / "actor", extra={"sft_steps": sft.steps})
+        ckpts.commit(sft.steps)
+        log.close()
+        actor.close()
+        return True
+
+    # ------------------------------------------------------------------ colocation and helpers
+
+    def _build_engine(self) -> RolloutEngine:
+        r = self.job.rollout
+        if r.engine == "hf":
+            from megatron_jetrl.rollout.hf import HfEngine
+
+            return HfEngine(self.resolved.hf_config, self.job.precision, device=self.device, gemm=r.hf.gemm,
+                            max_num_seqs=r.hf.max_num_seqs, max_batch_tokens=r.hf.max_batch_tokens,
+                            max_prefill_tokens=r.hf.max_prefill_tokens, cuda_graphs=r.hf.cuda_graphs)
+        from megatron_jetrl.rollout.vllm_engine import VllmEngine
+
+        if self.job.model.hf_config is None:
+            raise ConfigError("model.hf_config", None, "the vLLM engine loads the model's config from an HF directory")
+        return VllmEngine(self.job.model.hf_config, self.job.precision, r.vllm)
+
+    def _rollout_mode(self) -> None:
+        """The engine gets the GPU: actor offloaded (when colocated), engine awake."""
+        if self.job.rollout.offload_actor and not self._actor_offloaded:
+            self.actor.offload()
+            self._actor_offloaded = True
+        if not self._engine_awake:
+            self.engine.wake()
+            self._engine_awake = True
+
+    def _train_mode(self) -> None:
+        """The actor gets the GPU: engine asleep (when colocated), actor on the GPU."""
+        if self.job.rollout.offload_actor and self._engine_awake:
+            self.engine.sleep()
+            self._engine_awake = False
+        if self._actor_offloaded:
+            self.actor.onload()
+            self._actor_offloaded = False
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Time a phase of the step (CUDA-synchronised) and show it in the console view."""
+        with self.timer.phase(name), self.console.phase(name):
+            yield
+
+    def _seed(self, round_: int) -> int:
+        """The sampling seed of this step's round: a function of run.seed, step, round and replica."""
+        text = f"{self.job.run.seed}/{self.step}/{round_}/{self.replica}".encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:4], "little")
+
+    def _strip_stop(self, tokens: list[int]) -> list[int]:
+        return tokens[:-1] if tokens and tokens[-1] in self.sampling.stop_token_ids else tokens
+
+    def _overlong_penalty(self, lengths: list[int], max_new_tokens: int) -> list[float]:
+        o = self.job.data.overlong
+        if o.mode != "soft":
+            return [0.0] * len(lengths)
+        return overlong_penalty(torch.tensor(lengths), max_new_tokens, o.buffer_tokens, o.penalty).tolist()
+
+    def _any_rank(self, flag: bool) -> bool:
+        return any_rank(flag, device=self.device if self.device.type == "cuda" else None)

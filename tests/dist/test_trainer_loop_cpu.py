@@ -1,0 +1,219 @@
+"""The RL loop's plumbing on CPU: ``Trainer`` with the real data, rewards, rollout engine (the hf
+engine, FP8 emulated), weight sync, checkpoints, metrics and console, around a test double of the
+megatron actor (megatron-core's GPTModel needs CUDA; tests/gpu/test_rl_loop.py runs the real one).
+
+What it pins down: a run completes and logs every metric family; a run stopped by a signal and
+rerun continues exactly as an uninterrupted run (same batches, same samples, same rewards); a
+finished run extended with more steps continues; run.resume=false refuses a used directory; the
+two-process loop splits generation over rollout replicas and agrees on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_jetrl.algo import LossInputs
+from megatron_jetrl.config import ConfigError
+from megatron_jetrl.job import load_job, resolve
+from megatron_jetrl.sync.local import shard_state
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "configs" / "tiny_countdown.yaml"
+SMALL = ("run.steps=4", "run.save_every=0", "run.eval_every=2", "data.prompts_per_step=4", "algo.group_size=4",
+         "rollout.sampling.max_new_tokens=8", "sft.steps=2", "sft.batch_size=4", "data.eval_size=4",
+         "model.config.num_hidden_layers=2", "log.tensorboard=false", "rollout.hf.max_num_seqs=16")
+
+
+@dataclass(frozen=True)
+class _Logprobs:
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+    kv_scales: Optional[torch.Tensor] = None
+
+
+class FakeActor:
+    """Stands in for ``megatron_jetrl.actor.Actor``: a full state dict of random weights, sharded
+    for the sync by ``sync.local.shard_state`` (with the trainer's FP8 weights); ``update`` runs
+    the real loss on the batch and moves the weights by a deterministic amount; logprobs are the
+    engine's (the double has no model). It enforces the colocation protocol: nothing touches the
+    weights while they are offloaded."""
+
+    signal_at_update: Optional[int] = None
+
+    def __init__(self, bridge, settings):
+        self.bridge, self.settings = bridge, settings
+        self.steps, self.offloaded, self.reference = 0, False, None
+        g = torch.Generator().manual_seed(settings.seed)
+        dtype = settings.precision.compute_dtype
+        self.full = {}
+        for spec in bridge.tensor_map():
+            if len(spec.shape) == 1:  # norms (and biases): ones keep activations sane
+                t = torch.ones(spec.shape)
+            else:
+                t = torch.randn(spec.shape, generator=g) * 0.05
+            self.full[spec.megatron] = t.to(dtype)
+
+    def _check(self):
+        assert not self.offloaded, "the actor was used while offloaded"
+
+    def compute_logprobs(self, batch, *, with_entropy=False, kv_scales=False):
+        self._check()
+        return _Logprobs(batch.fields["rollout_logprobs"].clone() if "rollout_logprobs" in batch.fields
+                         else torch.zeros(batch.tokens.numel()))
+
+    def update(self, batch, loss_fn):
+        self._check()
+        mask = batch.fields["loss_mask"]
+        base = batch.fields.get("old_logprobs", torch.zeros(batch.tokens.numel()))
+        lp = base.clone().float().requires_grad_()
+        inp = LossInputs(logprobs=lp, entropy=torch.zeros_like(lp), fields=dict(batch.fields),
+                         cu_seqlens=batch.cu_seqlens, global_tokens=max(1.0, float(mask.sum())),
+                         global_sequences=batch.num_sequences)
+        loss, metrics = loss_fn(inp)
+        loss.backward()
+        g = torch.Generator().manual_seed(1000 + self.steps)
+        for t in self.full.values():
+            t += (torch.randn(t.shape, generator=g) * 1e-3).to(t.dtype)
+        self.steps += 1
+        if self.signal_at_update == self.steps and "advantages" in batch.fields:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        out = {k: float(v) for k, v in metrics.items()}
+        out.update(grad_norm=float(lp.grad.norm()), lr=self.settings.optimizer.lr)
+        return out
+
+    def weight_shards(self):
+        self._check()
+        world = dist.get_world_size()
+        dp = self.settings.data_parallel_size(world)
+        return shard_state(self.bridge, self.settings.precision, self.full, self.settings.parallel,
+                           dp_size=dp)[dist.get_rank()]
+
+    def offload(self):
+        self._check()
+        self.offloaded = True
+
+    def onload(self):
+        self.offloaded = False
+
+    def keep_reference(self):
+        self.reference = {k: v.clone() for k, v in self.full.items()}
+
+    def reference_logprobs(self, batch):
+        return torch.zeros(batch.tokens.numel())
+
+    def save(self, directory, *, extra=None):
+        self._check()
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        torch.save({"full": self.full, "steps": self.steps, "extra": extra or {}},
+                   Path(directory) / f"fake_rank{dist.get_rank()}.pt")
+
+    def load(self, directory, *, model_only=None):
+        data = torch.load(Path(directory) / f"fake_rank{dist.get_rank()}.pt")
+        self.full = data["full"]
+        if not model_only:
+            self.steps = data["steps"]
+        return data["extra"]
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _run(run_dir: Path, *overrides: str, actor_cls=FakeActor) -> int:
+    from megatron_jetrl.trainer import Trainer
+
+    job = load_job(TINY, [*SMALL, f"run.dir={run_dir}", *overrides])
+    trainer = Trainer(job, resolve(job, dist.get_world_size()), run_dir=run_dir, device=torch.device("cpu"),
+                      actor_cls=actor_cls)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    return {r["step"]: r for r in rows}
+
+
+SAME = ("data/prompt_index_fingerprint", "reward/mean", "response/length_mean", "actor/loss",
+        "rollout_corr/k3_kl")
+
+
+def test_loop_runs_logs_and_checkpoints(tmp_path, process_group):
+    assert _run(tmp_path / "a") == 0
+    rows = _rows(tmp_path / "a")
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    assert "eval/reward" in rows[0] and "eval/reward" in rows[2] and "eval/reward" in rows[4]
+    for key in ("reward/mean", "actor/loss", "actor/clip_fraction", "timing/generate_s", "timing/sync_s",
+                "token_mult_prob_error", "rollout_corr/k3_kl", "perf/tokens_per_s_per_gpu",
+                "dynamic_sampling/rounds"):
+        assert key in rows[3], key
+    # the double returns the engine's logprobs as the trainer's: no mismatch
+    assert rows[3]["token_mult_prob_error"] == pytest.approx(1.0)
+    assert (tmp_path / "a" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert (tmp_path / "a" / "sft" / "checkpoints" / "latest").is_file()
+    assert (tmp_path / "a" / "sft" / "metrics.jsonl").is_file()
+
+
+def test_signal_stops_with_a_checkpoint_and_rerun_continues_exactly(tmp_path, process_group):
+    assert _run(tmp_path / "whole") == 0
+    want = _rows(tmp_path / "whole")
+
+    class Interrupted(FakeActor):
+        signal_at_update = 2
+
+    assert _run(tmp_path / "cut", actor_cls=Interrupted) == 75
+    assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert sorted(_rows(tmp_path / "cut")) == [0, 1, 2]
+    assert _run(tmp_path / "cut") == 0
+    got = _rows(tmp_path / "cut")
+    assert sorted(got) == sorted(want)
+    for step in range(1, 5):
+        for key in SAME:
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+
+
+def test_extending_a_finished_run_and_refusing_a_used_directory(tmp_path, process_group):
+    assert _run(tmp_path / "whole") == 0
+    want = _rows(tmp_path / "whole")
+    assert _run(tmp_path / "ext", "run.steps=2") == 0
+    assert _run(tmp_path / "ext", "run.steps=4") == 0
+    got = _rows(tmp_path / "ext")
+    for step in (3, 4):
+        for key in SAME:
+            assert got[step][key] == want[step][key], (step, key)
+    with pytest.raises(ConfigError, match="run.resume"):
+        _run(tmp_path / "ext", "run.resume=false")
+
+
+def _two_ranks(rank: int, tmp: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg2", rank=rank, world_size=2)
+    try:
+        assert _run(Path(tmp) / "two", "run.steps=2", "run.eval_every=0") == 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_split_generation_and_agree(tmp_path):
+    mp.start_processes(_two_ranks, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    rows = _rows(tmp_path / "two")
+    assert sorted(rows) == [1, 2]
+    # 4 prompts x 4 samples generated by 2 replicas, all present in the batch
+    assert rows[1]["data/prompts_sampled"] == 4.0 and rows[1]["dynamic_sampling/kept_fraction"] == 1.0

@@ -1,0 +1,144 @@
+"""The job config: YAML + overrides -> typed sections, errors that name the key, the resolved
+layout ``jetrl check`` prints, and the example configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_jetrl.cli import main as cli_main
+from megatron_jetrl.config import ConfigError, apply_overrides, build, load_yaml, parse_override
+from megatron_jetrl.job import load_job, resolve
+from megatron_jetrl.precision import PrecisionMode
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "configs" / "tiny_countdown.yaml"
+
+
+def tiny(*overrides: str):
+    return load_job(TINY, overrides)
+
+
+def test_example_loads_with_the_documented_values():
+    job = tiny()
+    assert job.precision.mode is PrecisionMode.FP8 and job.actor.precision is job.precision
+    assert job.algo.group_size == 8 and job.rollout.sampling.max_new_tokens == 24
+    assert job.actor.optimizer.lr == pytest.approx(1e-4)
+    assert job.data.train.synthetic.task == "countdown"
+
+
+def test_overrides_parse_yaml_values_and_apply_in_order():
+    assert parse_override("a.b=3") == ("a.b", 3)
+    assert parse_override("a=true") == ("a", True)
+    assert parse_override("a=[1, 2]") == ("a", [1, 2])
+    assert parse_override("a=null") == ("a", None)
+    assert parse_override("a=fp8") == ("a", "fp8")
+    raw = apply_overrides({"x": {"y": 1}}, ["x.y=2", "x.z.w=3", "x.y=4"])
+    assert raw == {"x": {"y": 4, "z": {"w": 3}}}
+    job = tiny("precision.mode=bf16", "actor.optimizer.lr=1e-5", "run.steps=3")
+    assert job.precision.mode is PrecisionMode.BF16 and job.run.steps == 3
+    assert job.actor.optimizer.lr == pytest.approx(1e-5)  # YAML reads 1e-5 as a string; float fields take it
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor.optimizer.lrr=1", "actor.optimizer.lrr"),
+    ("bogus.x=1", "bogus"),
+    ("precision.mode=fp7", "precision.mode"),
+    ("run.steps=0", "run.steps"),
+    ("run.steps=1.5", "run.steps"),
+    ("algo.group_size=-1", "algo.group_size"),
+    ("rollout.sampling.n=4", "rollout.sampling.n"),
+    ("rollout.sampling.seed=4", "rollout.sampling.seed"),
+    ("actor.precision.mode=bf16", "actor.precision"),
+    ("rollout.engine=sglang", "rollout.engine"),
+    ("rollout.sampling.temperature=hot", "rollout.sampling.temperature"),
+    ("log.tensorboard=maybe", "log.tensorboard"),
+    ("run=3", "run"),
+])
+def test_bad_values_name_their_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        tiny(override)
+    assert e.value.key == key or e.value.key.startswith(key), (e.value.key, str(e.value))
+
+
+def test_missing_sections_and_required_keys():
+    raw = load_yaml(TINY)
+    for section in ("run", "model", "data"):
+        broken = {k: v for k, v in raw.items() if k != section}
+        with pytest.raises(ConfigError) as e:
+            load_job(None, raw=broken)
+        assert e.value.key == section
+    broken = {**raw, "run": {"dir": "x"}}
+    with pytest.raises(ConfigError) as e:
+        load_job(None, raw=broken)
+    assert e.value.key == "run.steps" and "required" in str(e.value)
+
+
+def test_yaml_errors_say_where(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  dir: x\n   steps: 3\n")
+    with pytest.raises(ConfigError, match="line"):
+        load_yaml(bad)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_yaml(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_yaml(tmp_path / "list.yaml")
+
+
+def test_resolved_config_round_trips():
+    job = tiny("precision.mode=fp16", "algo.loss.type=gspo")
+    again = load_job(None, raw=yaml.safe_load(yaml.safe_dump(job.to_dict())))
+    assert again == job
+
+
+def test_build_reports_types_of_nested_fields():
+    from megatron_jetrl.models import ParallelLayout
+
+    assert build(ParallelLayout, {"tp": 2}, "actor.parallel").tp == 2
+    with pytest.raises(ConfigError, match="actor.parallel.tp"):
+        build(ParallelLayout, {"tp": "two"}, "actor.parallel")
+    with pytest.raises(ConfigError, match="actor.parallel.sequence_parallel"):
+        build(ParallelLayout, {"sequence_parallel": 1}, "actor.parallel")
+
+
+def test_resolve_layout_and_its_errors():
+    r = resolve(tiny("actor.parallel.tp=2", "model.config.num_key_value_heads=2"), 4)
+    assert (r.dp, r.rollout_tp, r.rollout_replicas) == (2, 1, 4)
+    assert r.memory.peak > 0 and r.memory.total_params > 1e6
+    text = "\n".join(r.describe(tiny("actor.parallel.tp=2", "model.config.num_key_value_heads=2")))
+    assert "TP=2 PP=1 DP=2" in text and "memory/GPU" in text
+    with pytest.raises(ConfigError, match="must divide the world size"):
+        resolve(tiny("actor.parallel.tp=2", "model.config.num_key_value_heads=2"), 3)
+    with pytest.raises(ConfigError) as e:
+        resolve(tiny("rollout.sampling.max_new_tokens=200"), 1)
+    assert e.value.key == "rollout.sampling.max_new_tokens" and "128" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        resolve(tiny("actor.parallel.tp=3"), 3)
+    assert "tp" in e.value.key
+
+
+def test_fp8_kv_cache_needs_vllm_and_fp8_rollout():
+    with pytest.raises(ConfigError, match="rollout.engine=vllm"):
+        tiny("rollout.vllm.kv_cache_dtype=fp8")
+    with pytest.raises(ConfigError, match="precision.mode"):
+        tiny("rollout.engine=vllm", "rollout.vllm.kv_cache_dtype=fp8", "precision.mode=bf16")
+
+
+def test_check_command_prints_the_layout(capsys):
+    assert cli_main(["check", str(TINY), "--world-size", "2", "run.steps=5"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=1 PP=1 DP=2" in out and "config OK" in out and "peak" in out
+
+
+def test_check_command_reports_config_errors(capsys):
+    assert cli_main(["check", str(TINY), "actor.optimizer.lr=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "actor.optimizer.lr" in err
+
+
+def test_train_refuses_bad_config_before_any_gpu_work(capsys):
+    assert cli_main(["train", str(TINY), "data.prompts_per_step=0"]) == 2
+    assert "data.prompts_per_step" in capsys.readouterr().err

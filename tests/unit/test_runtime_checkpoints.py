@@ -1,0 +1,212 @@
+"""Run checkpoints: atomic publication, pruning, crash recovery, and exact RNG resume (one process;
+tests/dist/test_runtime_checkpoints_dist.py runs the protocol with a real barrier)."""
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_jetrl.runtime import (
+    COMPLETE, LATEST, RunCheckpoints, load_rng, rng_fingerprint, rng_path, save_json_atomic, save_rng, write_atomic,
+)
+from megatron_jetrl.runtime import checkpoints as checkpoints_module
+
+
+def _ckpts(tmp_path, keep_last=3):
+    return RunCheckpoints(tmp_path, keep_last=keep_last, rank=0, world_size=1, barrier=lambda: None)
+
+
+def _save(ck, step, payload="x"):
+    staging = ck.begin(step)
+    (staging / "trainer_state.json").write_text(json.dumps({"step": step, "payload": payload}))
+    return ck.commit(step)
+
+
+def _state(path):
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def test_commit_publishes_atomically_and_updates_latest(tmp_path):
+    ck = _ckpts(tmp_path)
+    assert ck.latest() is None
+    staging = ck.begin(10)
+    assert staging == tmp_path / "checkpoints" / "step_00000010.tmp" and staging.is_dir()
+    assert not any(staging.iterdir())
+    (staging / "trainer_state.json").write_text("{}")
+    assert ck.latest() is None  # staging is never a checkpoint
+    final = ck.commit(10)
+    assert final == tmp_path / "checkpoints" / "step_00000010"
+    assert not staging.exists()
+    assert json.loads((final / COMPLETE).read_text())["step"] == 10
+    assert (tmp_path / "checkpoints" / LATEST).read_text().strip() == "step_00000010"
+    assert ck.latest() == final and ck.step_of(final) == 10
+
+
+def test_keep_last_prunes_oldest(tmp_path):
+    ck = _ckpts(tmp_path, keep_last=2)
+    for step in (1, 2, 3, 4):
+        _save(ck, step)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == [LATEST, "step_00000003", "step_00000004"]
+    assert ck.latest().name == "step_00000004"
+
+
+def test_begin_replaces_a_stale_staging_dir(tmp_path):
+    ck = _ckpts(tmp_path)
+    staging = ck.begin(5)
+    (staging / "half_written").write_text("junk")
+    assert not any(ck.begin(5).iterdir())
+
+
+def test_crash_between_begin_and_commit_resumes_from_last_complete(tmp_path):
+    ck = _ckpts(tmp_path)
+    _save(ck, 1, "good")
+    staging = ck.begin(2)
+    (staging / "trainer_state.json").write_text("{half")
+    # the process dies here; a new one starts
+    ck2 = _ckpts(tmp_path)
+    assert ck2.latest().name == "step_00000001"
+    assert _state(ck2.latest())["payload"] == "good"
+    removed = ck2.clean_stale()
+    assert [p.name for p in removed] == ["step_00000002.tmp"]
+    assert not staging.exists()
+    assert _save(ck2, 2, "again").name == "step_00000002"
+    assert _state(ck2.latest())["payload"] == "again"
+
+
+def test_crash_inside_commit_before_rename(tmp_path, monkeypatch):
+    ck = _ckpts(tmp_path)
+    _save(ck, 1)
+    ck.begin(2)
+
+    def dies(*a, **k):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(checkpoints_module.os, "rename", dies)
+    with pytest.raises(RuntimeError):
+        ck.commit(2)
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoints" / "step_00000002.tmp" / COMPLETE).is_file()  # marker written, not published
+    assert ck.latest().name == "step_00000001"
+    ck.clean_stale()
+    assert ck.latest().name == "step_00000001"
+
+
+def test_crash_after_rename_before_pointer_then_recommit(tmp_path, monkeypatch):
+    ck = _ckpts(tmp_path)
+    _save(ck, 1, "one")
+    ck.begin(2)
+
+    def dies(path, data):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(checkpoints_module, "write_atomic", dies)
+    with pytest.raises(RuntimeError):
+        ck.commit(2)
+    monkeypatch.undo()
+    # step 2 is complete but unannounced: the pointer (valid) still leads to step 1
+    assert (tmp_path / "checkpoints" / "step_00000002" / COMPLETE).is_file()
+    assert ck.latest().name == "step_00000001"
+    # resuming from step 1 and saving step 2 again replaces the unannounced one
+    final = _save(ck, 2, "two")
+    assert _state(final)["payload"] == "two" and ck.latest() == final
+    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("pointer", [None, "garbage\n", "step_00000009\n", "../../etc\n", "step_00000003\n"])
+def test_latest_falls_back_to_scan_when_pointer_is_broken(tmp_path, pointer):
+    ck = _ckpts(tmp_path)
+    _save(ck, 1)
+    _save(ck, 2)
+    (tmp_path / "checkpoints" / "step_00000003").mkdir()  # incomplete: no COMPLETE marker
+    (tmp_path / "checkpoints" / "step_00000004.tmp").mkdir()
+    (tmp_path / "checkpoints" / "step_00000004.tmp" / COMPLETE).write_text("{}")
+    latest = tmp_path / "checkpoints" / LATEST
+    if pointer is None:
+        latest.unlink()
+    else:
+        latest.write_text(pointer)
+    assert ck.latest().name == "step_00000002"
+
+
+def test_pointer_rolled_back_by_hand_is_followed_and_the_abandoned_future_pruned(tmp_path):
+    ck = _ckpts(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        _save(ck, step)
+    (tmp_path / "checkpoints" / LATEST).write_text("step_00000001\n")
+    assert ck.latest().name == "step_00000001"
+    _save(ck, 2, "new timeline")
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == [LATEST, "step_00000001", "step_00000002"]
+    assert _state(ck.latest())["payload"] == "new timeline"
+
+
+def test_commit_without_begin_fails(tmp_path):
+    with pytest.raises(FileNotFoundError, match="without begin"):
+        _ckpts(tmp_path).commit(3)
+
+
+def test_constructor_validates(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        RunCheckpoints(tmp_path, keep_last=0, rank=0, world_size=1, barrier=lambda: None)
+    with pytest.raises(ValueError, match="rank"):
+        RunCheckpoints(tmp_path, keep_last=1, rank=2, world_size=2, barrier=lambda: None)
+    with pytest.raises(ValueError, match="step"):
+        _ckpts(tmp_path).begin(-1)
+
+
+def test_non_zero_rank_only_waits_and_reads(tmp_path):
+    calls = []
+    ck = RunCheckpoints(tmp_path, keep_last=1, rank=1, world_size=2, barrier=lambda: calls.append(1))
+    staging = ck.begin(1)
+    assert not staging.exists() and calls == [1]  # rank 0 creates it
+    assert ck.clean_stale() == [] and calls == [1, 1]
+
+
+def test_save_json_atomic_and_write_atomic(tmp_path):
+    path = tmp_path / "state.json"
+    save_json_atomic(path, {"b": 1, "a": [1.5, float("nan")]})
+    back = json.loads(path.read_text())
+    assert back["b"] == 1 and back["a"][0] == 1.5 and back["a"][1] != back["a"][1]
+    write_atomic(path, b"raw")
+    assert path.read_bytes() == b"raw"
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temp file left behind
+
+
+def _draw():
+    return (
+        [random.random() for _ in range(3)], random.gauss(0, 1),
+        np.random.rand(3).tolist(), float(np.random.randn()),
+        torch.rand(4).tolist(), torch.randint(0, 1000, (3,)).tolist(), torch.randn(2).tolist(),
+    )
+
+
+def test_rng_round_trip_restores_the_same_next_numbers(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    _draw()  # leave the generators mid-stream, with cached Gaussians
+    path = save_rng(tmp_path, rank=3)
+    assert path == rng_path(tmp_path, 3) == tmp_path / "rng" / "rank_00003.pt"
+    fingerprint = rng_fingerprint()
+    expected = _draw()
+    assert rng_fingerprint() != fingerprint
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    load_rng(tmp_path, rank=3)
+    assert rng_fingerprint() == fingerprint
+    assert _draw() == expected
+
+
+def test_rng_file_loads_with_weights_only_and_missing_rank_is_named(tmp_path):
+    save_rng(tmp_path, 0)
+    state = torch.load(rng_path(tmp_path, 0), weights_only=True)
+    assert set(state) >= {"python", "numpy", "torch"}
+    with pytest.raises(FileNotFoundError, match="rank 1"):
+        load_rng(tmp_path, 1)
+    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "rng").iterdir())
+    assert os.listdir(tmp_path / "rng") == ["rank_00000.pt"]
