@@ -22,9 +22,11 @@ while [ $# -gt 0 ]; do
 done
 out=${OUT:-gpu_check_out}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 JETRL_GPU_OUT="$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  [ -d /tmp/site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  stamp=/tmp/site/.wheels-$(ls .whl | md5sum | cut -c1-12)
+  [ -f "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+    .whl/*.whl && touch "$stamp"; } || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/device.txt"
@@ -84,6 +86,10 @@ if [ $run_bench -eq 1 ]; then
   for f in "$out"/bench_actor_tp*.log "$out"/bench_sync_*.log "$out"/bench_rollout_decode.log; do
     [ -f "$f" ] && { echo "== $(basename "$f")"; grep -v -i -E "warn|^W[0-9]|\*\*\*|^\[rank" "$f" | tail -12; }
   done
+fi
+if ls "$out"/rl/*.metrics.jsonl >/dev/null 2>&1; then  # RL runs of tests/gpu/test_rl_loop.py
+  echo "== RL runs"
+  python3 benchmarks/rl_summary.py "$out"/rl/*.metrics.jsonl --json "$out/rl_summary.json"
 fi
 echo "gpu tests rc=$gpu_rc  unit tests rc=$unit_rc  benchmark rc=$bench_rc"
 [ $gpu_rc -eq 0 ] && [ $unit_rc -eq 0 ] && [ $bench_rc -eq 0 ]

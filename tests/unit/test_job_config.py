@@ -25,7 +25,7 @@ def test_example_loads_with_the_documented_values():
     job = tiny()
     assert job.precision.mode is PrecisionMode.FP8 and job.actor.precision is job.precision
     assert job.algo.group_size == 8 and job.rollout.sampling.max_new_tokens == 24
-    assert job.actor.optimizer.lr == pytest.approx(1e-4)
+    assert job.actor.optimizer.lr == pytest.approx(3e-4)
     assert job.data.train.synthetic.task == "countdown"
 
 

@@ -1,6 +1,7 @@
 """Synthetic tasks (data/synthetic.py): deterministic records, strict verifiers, the char tokenizer."""
 
 import json
+import random
 
 import pytest
 
@@ -132,3 +133,13 @@ def test_options_validation():
     with pytest.raises(ConfigError) as e:
         AR.generate(4, seed=0, digits=True)
     assert e.value.key == "data.train.synthetic.options.digits"
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_random_responses_never_raise(name):
+    task, rng = TASKS[name], random.Random(0)
+    alphabet = "0123456789+-*/()= x\ufffd"
+    rec = task.generate(1, seed=0)[0]
+    for _ in range(3000):
+        response = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80)))
+        assert task.score(response, rec["answer"]) in (0.0, 1.0)

@@ -1,0 +1,67 @@
+"""Summarise RL runs from their metrics.jsonl: reward curve, mismatch, and step time by phase.
+
+    python benchmarks/rl_summary.py RUN.metrics.jsonl [...] [--json OUT]
+
+Per run: train reward (means of the first and last 10 steps), the held-out eval curve, mean
+rollout-vs-trainer k3 KL and token_mult_prob_error, and the mean seconds per phase of a step with
+tokens/s/GPU (steps 2.. : step 1 includes CUDA-graph capture and allocator warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PHASES = ("generate", "advantages", "logprobs", "update", "sync", "step")
+
+
+def summarise(path: Path) -> dict:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "reward/mean" in r]
+    evals = [(r["step"], r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
+    warm = train[1:] or train
+
+    def mean(key, rs):
+        vals = [r[key] for r in rs if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    return {
+        "run": path.name.replace(".metrics.jsonl", ""),
+        "steps": len(train),
+        "reward_first10": mean("reward/mean", train[:10]),
+        "reward_last10": mean("reward/mean", train[-10:]),
+        "eval": evals,
+        "k3_kl": mean("rollout_corr/k3_kl", train),
+        "token_mult_prob_error": mean("token_mult_prob_error", train),
+        "seconds": {p: mean(f"timing/{p}_s", warm) for p in PHASES},
+        "tokens_per_s_per_gpu": mean("perf/tokens_per_s_per_gpu", warm),
+        "response_length": mean("response/length_mean", train),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("metrics", nargs="+", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    runs = [summarise(p) for p in args.metrics]
+    print(f"{'run':<14} {'steps':>5} {'reward 1-10':>11} {'last 10':>8} {'eval first':>10} {'eval last':>9} "
+          f"{'k3 KL':>9} {'tok_mult_err':>12}")
+    for r in runs:
+        e0, e1 = (r["eval"][0][1], r["eval"][-1][1]) if r["eval"] else (float("nan"),) * 2
+        print(f"{r['run']:<14} {r['steps']:>5} {r['reward_first10']:>11.3f} {r['reward_last10']:>8.3f} "
+              f"{e0:>10.3f} {e1:>9.3f} {r['k3_kl']:>9.1e} {r['token_mult_prob_error']:>12.6f}")
+    print(f"\n{'run':<14} " + " ".join(f"{p + ' s':>12}" for p in PHASES) + f" {'tok/s/GPU':>10}")
+    for r in runs:
+        print(f"{r['run']:<14} " + " ".join(f"{r['seconds'][p]:>12.4f}" for p in PHASES)
+              + f" {r['tokens_per_s_per_gpu']:>10.0f}")
+    for r in runs:
+        if r["eval"]:
+            print(f"\n{r['run']} eval curve: " + ", ".join(f"{s}:{v:.3f}" for s, v in r["eval"]))
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
