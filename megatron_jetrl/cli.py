@@ -20,7 +20,7 @@ from typing import Sequence
 import yaml
 
 from megatron_jetrl.config import ConfigError
-from megatron_jetrl.job import JobConfig, Resolved, load_job, resolve
+from megatron_jetrl.job import JobConfig, load_data, load_job, resolve
 
 EXIT_CONFIG = 2
 
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def check(job: JobConfig, world_size: int | None) -> int:
     world = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
     resolved = resolve(job, world)
-    _check_data(job, resolved)
+    load_data(job, resolved)
     print("\n".join(resolved.describe(job)))
     print(f"run dir      {job.run.dir}")
     print("config OK")
@@ -65,8 +65,8 @@ def train(job: JobConfig) -> int:
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    resolved = resolve(job, world)  # layout errors before any GPU work
-    _check_data(job, resolved)
+    resolved = resolve(job, world)  # layout and data errors before any GPU work
+    data = load_data(job, resolved)
     if not torch.cuda.is_available():
         raise SystemExit("jetrl train needs CUDA GPUs (jetrl check validates a job without one)")
     _init_distributed()
@@ -78,31 +78,12 @@ def train(job: JobConfig) -> int:
         _write_config(run_dir, job)
         print("\n".join(resolved.describe(job)), flush=True)
     dist.barrier()
-    trainer = Trainer(job, resolved, run_dir=run_dir)
+    trainer = Trainer(job, resolved, data, run_dir=run_dir)
     try:
         return trainer.run()
     finally:
         trainer.close()
         dist.destroy_process_group()
-
-
-def _check_data(job: JobConfig, resolved: Resolved) -> None:
-    """Tokenizer and datasets load, and fit the model's vocabulary (cheap next to a GPU job)."""
-    from megatron_jetrl.data.datasets import PromptDataset
-    from megatron_jetrl.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(job.model.tokenizer_spec)
-    vocab = resolved.bridge.dims.vocab_size
-    if tokenizer.vocab_size > vocab:
-        raise ConfigError("model.tokenizer", job.model.tokenizer_spec,
-                          f"has {tokenizer.vocab_size} tokens; the model's vocab_size is {vocab}")
-    train = PromptDataset.from_settings(job.data.train, tokenizer, "data.train")
-    if len(train) == 0:
-        raise ConfigError("data.train", job.data.train.path or "synthetic", "has no usable prompts")
-    if job.sft.steps:
-        train.records_field(job.sft.response_key, "sft.response_key")
-    if job.data.eval is not None:
-        PromptDataset.from_settings(job.data.eval, tokenizer, "data.eval")
 
 
 def _init_distributed() -> None:

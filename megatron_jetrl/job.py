@@ -223,6 +223,36 @@ def resolve(job: JobConfig, world_size: int) -> "Resolved":
 
 
 @dataclass(frozen=True)
+class JobData:
+    """The job's tokenizer and prompt datasets, loaded and checked once."""
+
+    tokenizer: Any
+    train: Any
+    eval: Any
+
+
+def load_data(job: JobConfig, resolved: "Resolved") -> JobData:
+    """Tokenizer and datasets, checked against the model's vocabulary and the warm-up's response
+    field (cheap next to a GPU job, so ``jetrl check`` runs it too)."""
+    from megatron_jetrl.data.datasets import PromptDataset
+    from megatron_jetrl.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(job.model.tokenizer_spec)
+    vocab = resolved.bridge.dims.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError("model.tokenizer", job.model.tokenizer_spec,
+                          f"has {tokenizer.vocab_size} tokens; the model's vocab_size is {vocab}")
+    train = PromptDataset.from_settings(job.data.train, tokenizer, "data.train")
+    if len(train) == 0:
+        raise ConfigError("data.train", job.data.train.path or "synthetic", "has no usable prompts")
+    if job.sft.steps:
+        train.records_field(job.sft.response_key, "sft.response_key")
+    evaluation = (PromptDataset.from_settings(job.data.eval, tokenizer, "data.eval")
+                  if job.data.eval is not None else None)
+    return JobData(tokenizer, train, evaluation)
+
+
+@dataclass(frozen=True)
 class Resolved:
     bridge: ModelBridge
     hf_config: dict

@@ -31,12 +31,11 @@ from megatron_jetrl.actor import OptimizerSettings
 from megatron_jetrl.algo import advantages as compute_advantages
 from megatron_jetrl.algo import cross_entropy_loss, make_policy_loss, mismatch_metrics, rollout_correction
 from megatron_jetrl.config import ConfigError
-from megatron_jetrl.data.datasets import Prompt, PromptDataset
+from megatron_jetrl.data.datasets import Prompt
 from megatron_jetrl.data.filters import overlong_penalty
 from megatron_jetrl.data.rewards import build_reward
 from megatron_jetrl.data.sampler import PromptSampler
-from megatron_jetrl.data.tokenizer import load_tokenizer
-from megatron_jetrl.job import JobConfig, Resolved
+from megatron_jetrl.job import JobConfig, JobData, Resolved
 from megatron_jetrl.precision.kv_cache import kv_scale_names
 from megatron_jetrl.rollout import RolloutEngine, SamplingParams
 from megatron_jetrl.rollouts import Group, Response, StepRollouts, prompt_major, replica_share, supervised_batch
@@ -62,7 +61,7 @@ class Trainer:
     ``run()`` returns the process exit status. ``device`` and ``actor_cls`` default to the GPU and
     the megatron ``Actor``; tests pass others to run the loop's plumbing on a CPU."""
 
-    def __init__(self, job: JobConfig, resolved: Resolved, *, run_dir: Path,
+    def __init__(self, job: JobConfig, resolved: Resolved, data: JobData, *, run_dir: Path,
                  device: Optional[torch.device] = None, actor_cls: Optional[type] = None):
         self.job, self.resolved, self.run_dir = job, resolved, run_dir
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -71,10 +70,7 @@ class Trainer:
             from megatron_jetrl.actor import Actor as actor_cls
         self._actor_cls = actor_cls
         self.replica, self.replicas = self.rank // resolved.rollout_tp, resolved.rollout_replicas
-        self.tokenizer = load_tokenizer(job.model.tokenizer_spec)
-        self.train_set = PromptDataset.from_settings(job.data.train, self.tokenizer, "data.train")
-        self.eval_set = (PromptDataset.from_settings(job.data.eval, self.tokenizer, "data.eval")
-                         if job.data.eval is not None else None)
+        self.tokenizer, self.train_set, self.eval_set = data.tokenizer, data.train, data.eval
         self.sampler = PromptSampler(len(self.train_set), job.data.seed, job.data.shuffle)
         self.reward = build_reward(job.reward)
         stops = tuple(sorted({*job.rollout.sampling.stop_token_ids, self.tokenizer.eos_token_id}))
@@ -211,12 +207,11 @@ class Trainer:
         """The actor's weights (its FP8 bytes and scales) into the engine, and the FP8 KV-cache
         scales measured by this step's logprob pass when the engine keeps an FP8 KV cache."""
         self.engine.wake()
-        report = self.sync.sync(self.actor.weight_shards(), self.engine)
+        self.sync.sync(self.actor.weight_shards(), self.engine)
         if self.job.rollout.fp8_kv_cache and kv_scales is not None:
             names = kv_scale_names(self.resolved.bridge.dims.num_layers)
             self.engine.update_weights(list(zip(names, kv_scales.flatten().unbind(0), strict=True)))
         self._engine_awake = True
-        self.last_sync = report
 
     def evaluate(self) -> dict[str, float]:
         """Mean score of one greedy response per evaluation prompt."""

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from megatron_jetrl.algo import LossInputs
 from megatron_jetrl.config import ConfigError
-from megatron_jetrl.job import load_job, resolve
+from megatron_jetrl.job import load_data, load_job, resolve
 from megatron_jetrl.sync.local import shard_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,7 +139,8 @@ def _run(run_dir: Path, *overrides: str, actor_cls=FakeActor) -> int:
     from megatron_jetrl.trainer import Trainer
 
     job = load_job(TINY, [*SMALL, f"run.dir={run_dir}", *overrides])
-    trainer = Trainer(job, resolve(job, dist.get_world_size()), run_dir=run_dir, device=torch.device("cpu"),
+    resolved = resolve(job, dist.get_world_size())
+    trainer = Trainer(job, resolved, load_data(job, resolved), run_dir=run_dir, device=torch.device("cpu"),
                       actor_cls=actor_cls)
     try:
         return trainer.run()
