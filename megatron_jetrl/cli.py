@@ -1,26 +1,30 @@
 """``jetrl``: the command line.
 
     jetrl train CONFIG [key=value ...]     run (or continue) the RL job in run.dir
-    jetrl check CONFIG [key=value ...]     validate the job and print its resolved layout (no GPU)
+    jetrl check CONFIG [key=value ...]     validate the job, print its layout and memory plan (no GPU)
 
-``train`` runs one process per GPU: under ``torchrun`` (or ``srun``, one task per GPU) every
-process runs this command; started plainly it is a single-GPU job. Everything about the job is
-validated before the first GPU is touched, and a config error exits with status 2, naming the key.
+``train`` runs one process per GPU: under ``torchrun`` or ``srun`` (one task per GPU) every
+process runs this command; started plainly it is a single-GPU job (``launch.py`` reads where each
+process sits). Everything about the job is validated before the first GPU is touched: the config,
+the launcher's environment, the layout against the world and the nodes, the data, and the memory
+plan against the GPU. Any of those failing exits with status 2 and names what to change.
+``train --smoke`` runs the launch path without the model, on CPUs (``smoke.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Sequence
 
 import yaml
 
+from megatron_jetrl import launch
 from megatron_jetrl.config import ConfigError
-from megatron_jetrl.job import JobConfig, load_data, load_job, resolve
+from megatron_jetrl.estimate import gpu_capacity
+from megatron_jetrl.job import JobConfig, Resolved, load_data, load_job, resolve
 
 EXIT_CONFIG = 2
 
@@ -28,13 +32,23 @@ EXIT_CONFIG = 2
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jetrl", description="RL post-training with unified FP8 (megatron-jetrl)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "run or continue an RL job"), ("check", "validate a job and print its layout")):
-        p = sub.add_parser(name, help=text)
+    train_p = sub.add_parser("train", help="run or continue an RL job")
+    check_p = sub.add_parser("check", help="validate a job and print its layout and memory plan")
+    for p in (train_p, check_p):
         p.add_argument("config", help="YAML job config (examples/configs/)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. run.steps=10")
-        if name == "check":
-            p.add_argument("--world-size", type=int, default=None,
-                           help="processes the job will run on (default: WORLD_SIZE, SLURM_NTASKS, or 1)")
+    train_p.add_argument("--smoke", action="store_true",
+                         help="CPU smoke test of the launch: rendezvous (gloo), rank layout, config check, "
+                              "preemption -> checkpoint -> resume; no model")
+    train_p.add_argument("--smoke-step-seconds", type=float, default=1.0, help="length of a smoke step (default 1)")
+    train_p.add_argument("--skip-memory-check", action="store_true",
+                         help="start even when the memory plan says the job does not fit the GPU")
+    check_p.add_argument("--world-size", type=int, default=None,
+                         help="processes the job will run on (default: nodes x gpus-per-node, else WORLD_SIZE, "
+                              "SLURM_NTASKS or 1)")
+    check_p.add_argument("--nodes", type=int, default=None, help="nodes the job will run on")
+    check_p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node (default 8)")
+    check_p.add_argument("--gpu-memory", default="H100", help="H100, H200 or GiB per GPU (default H100)")
     args, extra = parser.parse_known_args(argv)  # overrides may follow options, too
     unknown = [a for a in extra if "=" not in a or a.startswith("-")]
     if unknown:
@@ -43,40 +57,84 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         job = load_job(args.config, args.overrides)
         if args.command == "check":
-            return check(job, args.world_size)
-        return train(job)
+            return check(job, args)
+        return train(job, args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
 
-def check(job: JobConfig, world_size: int | None) -> int:
-    world = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+def check(job: JobConfig, args: argparse.Namespace) -> int:
+    try:
+        capacity = gpu_capacity(args.gpu_memory)
+    except ValueError as e:
+        raise ConfigError("--gpu-memory", args.gpu_memory, str(e).split("; ", 1)[-1]) from None
+    per_node = args.gpus_per_node
+    if per_node < 1:
+        raise ConfigError("--gpus-per-node", per_node, "must be >= 1")
+    if args.world_size is not None:
+        world = args.world_size
+    elif args.nodes is not None:
+        world = args.nodes * per_node
+    else:
+        world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    if world < 1 or (args.nodes is not None and args.nodes < 1):
+        raise ConfigError("--world-size" if args.nodes is None else "--nodes", args.world_size or args.nodes,
+                          "must be >= 1")
+    per_node = min(per_node, world)
+    if world % per_node:
+        raise ConfigError("--world-size", world, f"must be a multiple of --gpus-per-node ({per_node})")
     resolved = resolve(job, world)
+    placement = launch.Placement("single", 0, world, 0, per_node, 0, world // per_node, "127.0.0.1", 1)
+    launch.check_parallel_layout(placement, job.actor.parallel, resolved.rollout_tp)
     load_data(job, resolved)
-    print("\n".join(resolved.describe(job)))
+    print("\n".join(resolved.describe(job, capacity)))
     print(f"run dir      {job.run.dir}")
-    print("config OK")
+    problems = resolved.memory.problems(capacity)
+    for line in problems:
+        print(f"WARNING: {line}")
+    print("config OK" + (", but it does not fit in memory (see WARNING)" if problems else ""))
     return 0
 
 
-def train(job: JobConfig) -> int:
+def train(job: JobConfig, args: argparse.Namespace) -> int:
+    placement = launch.detect(os.environ)
+    resolved = resolve(job, placement.world_size)  # layout and data errors before any GPU work
+    launch.check_parallel_layout(placement, job.actor.parallel, resolved.rollout_tp)
+    data = load_data(job, resolved)
+    os.environ.update(placement.torch_env())
+    launch.apply_env(os.environ, backend_env(job, resolved), launch.BACKEND_DEFAULTS)
+    if args.smoke:
+        return _smoke(job, resolved, placement, args.smoke_step_seconds)
+
     import torch
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    resolved = resolve(job, world)  # layout and data errors before any GPU work
-    data = load_data(job, resolved)
     if not torch.cuda.is_available():
-        raise SystemExit("jetrl train needs CUDA GPUs (jetrl check validates a job without one)")
-    _init_distributed()
+        raise SystemExit("jetrl train needs CUDA GPUs (jetrl check validates a job without one; "
+                         "jetrl train --smoke tests the launch on CPUs)")
+    if placement.local_rank >= torch.cuda.device_count():
+        raise ConfigError("environment:LOCAL_RANK", placement.local_rank,
+                          f"only {torch.cuda.device_count()} GPUs are visible on this node: run one process per GPU "
+                          "(srun --ntasks-per-node / torchrun --nproc-per-node = GPUs per node)")
+    torch.cuda.set_device(placement.local_rank)
+    capacity = torch.cuda.mem_get_info()[1]
+    problems = resolved.memory.problems(capacity)
+    if problems and not args.skip_memory_check:
+        raise ConfigError("memory plan", f"{resolved.memory.peak(capacity) / 2**30:.1f} GiB per GPU",
+                          "; ".join(problems) + " (jetrl check CONFIG prints the plan; --skip-memory-check "
+                          "starts anyway)")
+    dist.init_process_group("nccl", device_id=torch.device("cuda", placement.local_rank))
     from megatron_jetrl.trainer import Trainer
 
     run_dir = Path(job.run.dir)
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_config(run_dir, job)
-        print("\n".join(resolved.describe(job)), flush=True)
+        print(placement.describe())
+        print("\n".join(resolved.describe(job, capacity)), flush=True)
+        for line in problems:
+            print(f"WARNING: {line}", flush=True)
     dist.barrier()
     trainer = Trainer(job, resolved, data, run_dir=run_dir)
     try:
@@ -86,20 +144,34 @@ def train(job: JobConfig) -> int:
         dist.destroy_process_group()
 
 
-def _init_distributed() -> None:
-    """One process per GPU: torchrun/srun set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT; a
-    plain start is a world of one on this host."""
-    import torch
+def backend_env(job: JobConfig, resolved: Resolved) -> dict[str, str]:
+    """Variables the job's backends read when they are imported, from its precision recipe:
+    Transformer Engine's scale format (te backend) and vLLM's DeepGEMM scale switch (vllm engine)."""
+    layers = resolved.bridge.dims.num_layers
+    env: dict[str, str] = {}
+    if job.precision.train_fp8 and job.actor.fp8_backend == "te":
+        env.update(job.precision.te_settings(layers).env)
+    if job.rollout.engine == "vllm":
+        env.update(job.precision.vllm_settings(layers).env)
+    return env
+
+
+def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, step_seconds: float) -> int:
     import torch.distributed as dist
 
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= torch.cuda.device_count():
-        raise SystemExit(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible")
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    from megatron_jetrl.smoke import run_smoke
+
+    if not step_seconds >= 0:
+        raise ConfigError("--smoke-step-seconds", step_seconds, "must be >= 0")
+    dist.init_process_group("gloo")
+    try:
+        if dist.get_rank() == 0:
+            print("\n".join(resolved.describe(job)), flush=True)
+        return run_smoke(placement, Path(job.run.dir), steps=job.run.steps, save_every=job.run.save_every,
+                         keep_last=job.run.keep_last, parallel=job.actor.parallel, dp_size=resolved.dp,
+                         rollout_tp=resolved.rollout_tp, step_seconds=step_seconds)
+    finally:
+        dist.destroy_process_group()
 
 
 def _write_config(run_dir: Path, job: JobConfig) -> None:
@@ -112,12 +184,6 @@ def _write_config(run_dir: Path, job: JobConfig) -> None:
         previous = sorted(run_dir.glob("config.previous.*.yaml"))
         write_atomic(run_dir / f"config.previous.{len(previous) + 1}.yaml", path.read_text())
     write_atomic(path, text)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -1,22 +1,31 @@
-"""A per-GPU memory estimate of a job's layout, from the model's shapes alone (no GPU).
+"""A per-GPU memory plan of a job's layout, from the model's shapes alone (no GPU).
 
-What ``jetrl check`` prints. Terms, per GPU (P = this rank's parameters = total / (TP x PP)):
+What ``jetrl check`` prints and ``jetrl train`` checks against the GPU before building anything.
+Terms, per GPU, for the most loaded pipeline stage (P = its parameters: its layers / TP, plus the
+embedding and/or LM head it holds / TP):
 
     trainer weights     P x 2 bytes (BF16/FP16 model parameters)
     trainer grads       P x 4 (megatron's fp32 gradient buffer)
     optimizer           P x 12 / DP (fp32 master weights + Adam's two moments, sharded over DP by
                         the distributed optimizer)
-    fp8 weight copies   linear parameters / (TP x PP) x 2 (the FProp and DGrad FP8 copies), FP8 only
-    activations         a rough bound: tokens per micro-batch x hidden x layers per stage x 34
-                        bytes / TP (Korthikanti et al.'s per-layer estimate without recompute), plus
-                        the fp32 logits of one micro-batch: tokens x vocab / TP x 8
-    rollout weights     total parameters / rollout TP (1 byte for FP8 linears, 2 otherwise)
-    rollout KV cache    hf: max_batch_tokens slots x layers x 2 (K, V) x kv heads x head_dim x 2
-                        bytes; vLLM: its gpu_memory_utilization share, which it reserves itself
+    fp8 weight copies   the stage's linear parameters / TP x 2 (the FProp and DGrad FP8 copies), FP8
+                        training only
+    activations         per layer and token, hidden x (10 + 24 / TP) bytes, or hidden x 34 / TP with
+                        sequence parallelism (Korthikanti et al., flash attention: no s^2 term), for
+                        the micro-batch's tokens and the stage's layers; with ``actor.recompute=full``
+                        only each layer's input (hidden x 2 bytes, / TP with SP) plus one layer's full
+                        set. Pipeline stage 0 holds up to PP micro-batches in flight (1F1B). Plus the
+                        logits of one micro-batch: tokens x padded vocab / TP x 8 bytes
+    rollout weights     all parameters / rollout TP (1 byte for FP8 linears, 2 otherwise)
+    rollout kv cache    hf: max_batch_tokens slots x layers x 2 (K, V) x kv heads x head_dim x 2 bytes;
+                        vLLM: weights and cache together take gpu_memory_utilization of the GPU
+    runtime             CUDA context, NCCL and cuBLAS workspaces and the caching allocator's slack
+                        (RUNTIME_RESERVE_GIB, measured on the GPU host: docs/benchmarks.md)
 
-With ``rollout.offload_actor`` the trainer's terms and the engine's are not resident together
-(the peak is the larger side plus the engine's sleeping share); without it they add up. This is an
-estimate: the allocator's fragmentation, NCCL buffers and CUDA graphs are not in it.
+With ``rollout.offload_actor`` (colocation) the trainer's terms and the engine's are not resident
+together: the peak is the larger side; the trainer's weights and optimizer state wait in pinned
+host memory meanwhile (the ``host`` row). Without it they add up. It is an estimate, built to err
+on the high side; the GPU host's measurements beside it are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -28,7 +37,12 @@ from megatron_jetrl.data.settings import DataSettings
 from megatron_jetrl.models import ModelBridge
 from megatron_jetrl.rollout.settings import RolloutSettings
 
-GB = 1e9
+GiB = 2**30
+RUNTIME_RESERVE_GIB = 6.0
+"""CUDA context (~0.6 GiB), NCCL communicators and buffers, cuBLAS/cuDNN workspaces, the hf engine's
+CUDA graphs and the caching allocator's fragmentation, per process."""
+GPU_MEMORY_GIB = {"H100": 79.1, "H200": 139.8}
+"""What torch reports as total memory (``mem_get_info``) on the 80 GB and 141 GB parts."""
 
 
 @dataclass(frozen=True)
@@ -43,28 +57,62 @@ class MemoryEstimate:
     rollout_kv_cache: float
     vllm_share: float | None
     offload_actor: bool
+    host_offload: float
 
     @property
     def trainer_total(self) -> float:
         return self.trainer_weights + self.trainer_grads + self.optimizer + self.fp8_copies + self.activations
 
-    @property
-    def rollout_total(self) -> float:
+    def rollout_total(self, capacity: float | None = None) -> float:
+        """Bytes of the engine while it generates; vLLM's is its share of ``capacity``."""
+        if self.vllm_share is not None:
+            return self.vllm_share * capacity if capacity is not None else 0.0
         return self.rollout_weights + self.rollout_kv_cache
 
-    @property
-    def peak(self) -> float:
-        """Bytes resident at the worst moment of a step (see the module docstring)."""
-        if self.offload_actor:
-            return max(self.trainer_total, self.rollout_total)
-        return self.trainer_total + self.rollout_total
+    def peak(self, capacity: float | None = None) -> float:
+        """Bytes resident at the worst moment of a step, runtime reserve included."""
+        rollout = self.rollout_total(capacity)
+        resident = max(self.trainer_total, rollout) if self.offload_actor else self.trainer_total + rollout
+        return resident + RUNTIME_RESERVE_GIB * GiB
 
-    def rows(self) -> list[tuple[str, float]]:
+    def fits(self, capacity: float) -> bool:
+        return self.peak(capacity) <= capacity
+
+    def problems(self, capacity: float) -> list[str]:
+        """Why the plan does not fit a GPU of ``capacity`` bytes, with what to change; empty if it fits."""
+        peak = self.peak(capacity)
+        if peak <= capacity:
+            return []
+        gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
+        out = [f"the estimated peak per GPU is {gib(peak)}, over the GPU's {gib(capacity)}"]
+        if self.vllm_share is not None and not self.offload_actor:
+            out.append(f"the engine keeps rollout.vllm.gpu_memory_utilization={self.vllm_share} of the GPU next to "
+                       f"the trainer's {gib(self.trainer_total)}: set rollout.offload_actor=true or lower it")
+        elif not self.offload_actor:
+            out.append(f"trainer ({gib(self.trainer_total)}) and engine ({gib(self.rollout_total(capacity))}) are "
+                       "resident together: set rollout.offload_actor=true")
+        if self.activations > 0.25 * self.trainer_total:
+            out.append(f"activations take {gib(self.activations)}: set actor.recompute=full, a smaller "
+                       "actor.max_tokens_per_microbatch, or a larger actor.parallel.tp (with sequence_parallel)")
+        if self.optimizer + self.trainer_grads > 0.5 * self.trainer_total:
+            out.append(f"weights, gradients and optimizer state take "
+                       f"{gib(self.trainer_weights + self.trainer_grads + self.optimizer)}: spread the model over "
+                       "more GPUs (larger actor.parallel.tp or pp, or more nodes for a larger DP)")
+        return out
+
+    def rows(self, capacity: float | None = None) -> list[tuple[str, float]]:
         rows = [("trainer weights", self.trainer_weights), ("trainer grads (fp32)", self.trainer_grads),
                 ("optimizer (fp32, /DP)", self.optimizer), ("fp8 weight copies", self.fp8_copies),
-                ("activations (rough)", self.activations), ("rollout weights", self.rollout_weights),
-                ("rollout kv cache", self.rollout_kv_cache), ("peak", self.peak)]
-        return [(name, value / GB) for name, value in rows]
+                ("activations", self.activations), ("trainer total", self.trainer_total)]
+        if self.vllm_share is not None:
+            rows.append((f"vllm share ({self.vllm_share:g} x GPU)", self.rollout_total(capacity)))
+        else:
+            rows += [("rollout weights", self.rollout_weights), ("rollout kv cache", self.rollout_kv_cache)]
+        rows += [("runtime reserve", RUNTIME_RESERVE_GIB * GiB),
+                 ("peak" + (" (colocated: max)" if self.offload_actor else " (sum)"), self.peak(capacity))]
+        if self.offload_actor:
+            rows.append(("host (pinned) for offload", self.host_offload))
+        return [(name, value / GiB) for name, value in rows]
 
 
 def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutSettings,
@@ -72,17 +120,36 @@ def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutS
     d = bridge.dims
     par = actor.parallel
     dp = actor.data_parallel_size(world_size)
-    shapes = [(spec, _numel(spec.shape)) for spec in bridge.tensor_map()]
-    total = sum(n for _, n in shapes)
-    linear = sum(n for spec, n in shapes if spec.linear)
-    model_parallel = par.tp * par.pp
-    local = total / model_parallel
-    fp8_train = actor.precision.train_fp8
+    layer_params, layer_linear, edge_params = 0, 0, {"embedding": 0, "output_layer": 0, "final_norm": 0}
+    total = linear = 0
+    for spec in bridge.tensor_map():
+        n = _numel(spec.shape)
+        total += n
+        linear += n if spec.linear else 0
+        if spec.layer is not None:
+            layer_params += n
+            layer_linear += n if spec.linear else 0
+        else:
+            key = "embedding" if "embedding" in spec.megatron else ("output_layer" if "output_layer" in spec.megatron
+                                                                    else "final_norm")
+            edge_params[key] += n
+    per_layer, per_layer_linear = layer_params / d.num_layers, layer_linear / d.num_layers
+    layers = -(-d.num_layers // par.pp)  # the largest stage
+    edges = (edge_params["embedding"] + edge_params["output_layer"] if par.pp == 1
+             else max(edge_params["embedding"], edge_params["output_layer"]))
+    local = (per_layer * layers + edges) / par.tp
+    local_linear = per_layer_linear * layers / par.tp
+
     longest = data.train.max_prompt_tokens + rollout.sampling.max_new_tokens
-    mb_tokens = max(actor.max_tokens_per_microbatch, longest)
-    layers_per_stage = d.num_layers / par.pp
-    activations = mb_tokens * d.hidden_size * layers_per_stage * 34 / par.tp
-    activations += mb_tokens * bridge.padded_vocab_size(par.tp) / par.tp * 8
+    tokens = max(actor.max_tokens_per_microbatch, longest)
+    h = d.hidden_size
+    full_layer = tokens * h * (34 / par.tp if par.sequence_parallel else 10 + 24 / par.tp)
+    if actor.recompute == "full":
+        stage = layers * tokens * h * 2 / (par.tp if par.sequence_parallel else 1) + full_layer
+    else:
+        stage = layers * full_layer
+    activations = stage * par.pp + tokens * bridge.padded_vocab_size(par.tp) / par.tp * 8
+
     rollout_bytes = linear * (1 if actor.precision.rollout_fp8 else 2) + (total - linear) * 2
     kv_cache, vllm_share = 0.0, None
     if rollout.engine == "hf":
@@ -94,13 +161,28 @@ def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutS
         trainer_weights=local * 2,
         trainer_grads=local * 4,
         optimizer=local * 12 / dp,
-        fp8_copies=(linear / model_parallel * 2) if fp8_train else 0.0,
+        fp8_copies=local_linear * 2 if actor.precision.train_fp8 else 0.0,
         activations=activations,
         rollout_weights=rollout_bytes / rollout.tp,
         rollout_kv_cache=kv_cache,
         vllm_share=vllm_share,
         offload_actor=rollout.offload_actor,
+        host_offload=local * 2 + local * 12 / dp,
     )
+
+
+def gpu_capacity(spec: str) -> float:
+    """Bytes of a GPU named on the command line: ``H100``, ``H200`` or a number of GiB."""
+    key = spec.strip().upper()
+    if key in GPU_MEMORY_GIB:
+        return GPU_MEMORY_GIB[key] * GiB
+    try:
+        value = float(spec)
+    except ValueError:
+        raise ValueError(f"--gpu-memory: got {spec!r}; give H100, H200 or a number of GiB") from None
+    if not value > 0:
+        raise ValueError(f"--gpu-memory: got {spec!r}; must be > 0 GiB")
+    return value * GiB
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -262,7 +262,8 @@ class Resolved:
     rollout_replicas: int
     memory: Any
 
-    def describe(self, job: JobConfig) -> list[str]:
+    def describe(self, job: JobConfig, gpu_bytes: float | None = None) -> list[str]:
+        """The layout and the memory plan (against a GPU of ``gpu_bytes``, when given)."""
         d = self.bridge.dims
         par = job.actor.parallel
         params = self.memory.total_params
@@ -273,13 +274,14 @@ class Resolved:
             + (f" (bf16 first/last layers {job.precision.fp8.bf16_first_layers}/{job.precision.fp8.bf16_last_layers})"
                if job.precision.train_fp8 or job.precision.rollout_fp8 else ""),
             f"world        {self.world_size} processes",
-            f"trainer      TP={par.tp} PP={par.pp} DP={self.dp}" + (" +SP" if par.sequence_parallel else ""),
+            f"trainer      TP={par.tp} PP={par.pp} DP={self.dp}" + (" +SP" if par.sequence_parallel else "")
+            + f", {job.actor.max_tokens_per_microbatch} tokens/micro-batch, recompute {job.actor.recompute}",
             f"rollout      engine {job.rollout.engine}, TP={self.rollout_tp}, {self.rollout_replicas} replicas",
             f"batch        {job.data.prompts_per_step} prompts x {job.algo.group_size} samples, "
             f"<= {job.data.train.max_prompt_tokens} + {job.rollout.sampling.max_new_tokens} tokens",
-            "memory/GPU   (estimate, GB)",
+            f"memory/GPU   (estimate, GiB{f'; GPU {gpu_bytes / 2**30:.1f} GiB' if gpu_bytes else ''})",
         ]
-        lines += [f"  {name:<24} {gb:8.2f}" for name, gb in self.memory.rows()]
+        lines += [f"  {name:<28} {gib:8.2f}" for name, gib in self.memory.rows(gpu_bytes)]
         return lines
 
 

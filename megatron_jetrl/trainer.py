@@ -44,12 +44,10 @@ from megatron_jetrl.runtime.checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.console import ConsoleView
 from megatron_jetrl.runtime.metrics import MetricsLogger
 from megatron_jetrl.runtime.rng import load_rng, save_rng
-from megatron_jetrl.runtime.signals import PreemptionSignal, any_rank
+from megatron_jetrl.runtime.signals import EXIT_PREEMPTED, PreemptionSignal, any_rank
 from megatron_jetrl.runtime.timing import PhaseTimer
 from megatron_jetrl.sync import SyncPlan, WeightSync
 
-EXIT_PREEMPTED = 75
-"""Exit status after a preemption checkpoint (EX_TEMPFAIL: run the same command again)."""
 
 CONSOLE_KEYS = ("reward/mean", "len=response/length_mean", "entropy=actor/entropy", "k3_kl=rollout_corr/k3_kl",
                 "eval=eval/reward", "gen=timing/generate_s", "lp=timing/logprobs_s", "upd=timing/update_s",
@@ -80,6 +78,7 @@ class Trainer:
         self.console = ConsoleView(job.run.steps, enabled=self.rank == 0 and job.log.console)
         self.timer = PhaseTimer(sync=torch.cuda.synchronize if self.device.type == "cuda" else None)
         self.step = 0
+        self._memory: dict[str, int] = {}
         self.actor = None
         self.engine: Optional[RolloutEngine] = None
         self.metrics: Optional[MetricsLogger] = None
@@ -128,8 +127,10 @@ class Trainer:
         seconds = self.timer.seconds
         seconds["step"] = sum(seconds.values())
         metrics.update({f"timing/{k}_s": v for k, v in seconds.items()})
+        metrics["perf/tokens_per_step"] = float(batch.tokens.numel())
         metrics["perf/tokens_per_s_per_gpu"] = batch.tokens.numel() / seconds["step"] / self.world
         metrics["actor/steps"] = float(self.actor.steps)
+        metrics.update(self._memory_metrics())
         return {k: v for k, v in metrics.items() if not k.startswith("_")}
 
     # ------------------------------------------------------------------ phases
@@ -394,8 +395,30 @@ class Trainer:
     @contextlib.contextmanager
     def _phase(self, name: str):
         """Time a phase of the step (CUDA-synchronised) and show it in the console view."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         with self.timer.phase(name), self.console.phase(name):
             yield
+        if cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            mem = self._memory
+            mem[f"{name}_peak_allocated"] = max(mem.get(f"{name}_peak_allocated", 0),
+                                                torch.cuda.max_memory_allocated(self.device))
+            mem["peak_reserved"] = max(mem.get("peak_reserved", 0), torch.cuda.max_memory_reserved(self.device))
+            mem["device_used"] = max(mem.get("device_used", 0), total - free)
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """This step's memory per GPU, the largest over ranks, in GiB: each phase's peak of
+        PyTorch-allocated bytes, the allocator's peak reservation, and the device's used memory at
+        the phase ends (PyTorch's plus CUDA context, NCCL, cuBLAS and CUDA graph pools)."""
+        if not self._memory:
+            return {}
+        names = sorted(self._memory)
+        t = torch.tensor([float(self._memory[n]) for n in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self._memory = {}
+        return {f"memory/{n}_gib": v / 2**30 for n, v in zip(names, t.tolist(), strict=True)}
 
     def _seed(self, round_: int) -> int:
         """The sampling seed of this step's round: a function of run.seed, step, round and replica."""

@@ -92,3 +92,23 @@ def assert_kernels_match_reference(x: torch.Tensor, pow2: bool, eps: float, refe
             assert_same_bytes(got.scale_inv, scale, f"{what} scale_inv")
         assert_same_bytes(transposed.data, data_t, "transposed block codes")
         assert_same_bytes(transposed.scale_inv, scale_t, "transposed block scale_inv")
+
+
+WORDS = ["<unk>", "<eos>", "<|user|>", "<|system|>", "<|assistant|>", "what", "is", "2+2", "3+3", "?",
+         "be", "brief", "a", "very", "long", "question"]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+ID = {w: i for i, w in enumerate(WORDS)}
+
+
+def tiny_hf_tokenizer(directory, chat_template=TEMPLATE) -> str:
+    """A word-level HF tokenizer saved to ``directory``, built offline with ``tokenizers``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel(ID, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    kwargs = {"chat_template": chat_template} if chat_template else {}
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>", **kwargs).save_pretrained(
+        directory)
+    return str(directory)

@@ -89,6 +89,8 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
         deallocate_pipeline_outputs=True,
         calculate_per_token_loss=False,
     )
+    if settings.recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if recipe.train_fp8 and settings.fp8_backend == "te":
         kwargs.update(check_te_backend(settings, bridge.dims.num_layers))
     return TransformerConfig(**kwargs)

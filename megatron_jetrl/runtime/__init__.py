@@ -10,11 +10,11 @@ from megatron_jetrl.runtime.checkpoints import COMPLETE, LATEST, RunCheckpoints
 from megatron_jetrl.runtime.console import ConsoleView, PhaseHandle, format_step_line
 from megatron_jetrl.runtime.metrics import LogSettings, MetricsLogger, WandbSettings
 from megatron_jetrl.runtime.rng import load_rng, rng_fingerprint, rng_path, save_rng
-from megatron_jetrl.runtime.signals import PreemptionSignal, any_rank
+from megatron_jetrl.runtime.signals import EXIT_PREEMPTED, PreemptionSignal, any_rank
 from megatron_jetrl.runtime.timing import PhaseTimer
 
 __all__ = [
-    "COMPLETE", "LATEST", "ConsoleView", "LogSettings", "MetricsLogger", "PhaseHandle", "PhaseTimer",
+    "COMPLETE", "EXIT_PREEMPTED", "LATEST", "ConsoleView", "LogSettings", "MetricsLogger", "PhaseHandle", "PhaseTimer",
     "PreemptionSignal", "RunCheckpoints", "WandbSettings", "any_rank", "format_step_line", "fsync_dir",
     "load_rng", "rng_fingerprint", "rng_path", "save_json_atomic", "save_rng", "write_atomic",
 ]

@@ -18,6 +18,10 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+EXIT_PREEMPTED = 75
+"""Exit status after a preemption checkpoint (EX_TEMPFAIL: run the same command again; the SLURM
+script requeues the job on it)."""
+
 
 class PreemptionSignal:
     """Context manager: installs the handlers on enter, restores the previous ones on exit."""

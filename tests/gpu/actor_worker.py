@@ -77,12 +77,13 @@ class Scenarios:
         dist.barrier()
         return base
 
-    def actor(self, arch: str, *, mode="bf16", tp=1, pp=1, sp=False, lr=1e-4, mb_tokens=256, **fp8) -> Actor:
+    def actor(self, arch: str, *, mode="bf16", tp=1, pp=1, sp=False, lr=1e-4, mb_tokens=256, recompute="none",
+              **fp8) -> Actor:
         base = self.converted(arch)
         bridge = bridge_for(HFCheckpoint(base / "hf").config)
         recipe = PrecisionRecipe.from_dict({"mode": mode, "fp8": fp8})
         settings = ActorSettings(parallel=ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp), precision=recipe,
-                                 max_tokens_per_microbatch=mb_tokens,
+                                 max_tokens_per_microbatch=mb_tokens, recompute=recompute,
                                  optimizer=OptimizerSettings(lr=lr, weight_decay=0.0, clip_grad=1.0,
                                                              initial_loss_scale=2.0**12))
         actor = Actor(bridge, settings)
@@ -144,6 +145,30 @@ class Scenarios:
                 entry["fp8_weights_match_after_step"] = self._fp8_weights_match(actor)
             actor.close()
             self.record(f"precision/{mode}", entry)
+
+    def recompute(self):
+        """Full activation recompute against none, from the same weights: the same loss, gradient
+        norm and updated weights (flash attention's backward may reorder its sums: tolerances)."""
+        arch = "Qwen3ForCausalLM"
+        for mode in ("bf16", "fp8"):
+            out = {}
+            for recompute in ("none", "full"):
+                actor = self.actor(arch, mode=mode, lr=1e-3, recompute=recompute)
+                batch = make_batch(actor.bridge.dims.vocab_size)
+                torch.cuda.reset_peak_memory_stats()
+                m = actor.update(batch, cross_entropy_loss)
+                out[recompute] = {"loss": m["loss"], "grad_norm": m["grad_norm"],
+                                  "logprobs": actor.compute_logprobs(batch).logprobs,
+                                  "peak": torch.cuda.max_memory_allocated()}
+                actor.close()
+            a, b = out["none"], out["full"]
+            self.record(f"recompute/{mode}", {
+                "loss_rel_diff": abs(a["loss"] - b["loss"]) / abs(a["loss"]),
+                "grad_norm_rel_diff": abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"],
+                "max_abs_dlogp_after_step": (a["logprobs"] - b["logprobs"]).abs().max().item(),
+                "identical_after_step": bool(torch.equal(a["logprobs"], b["logprobs"])),
+                "peak_gib_none": a["peak"] / 2**30, "peak_gib_full": b["peak"] / 2**30,
+            })
 
     def _fp8_weights_match(self, actor: Actor) -> bool:
         ok = True

@@ -36,7 +36,8 @@ def _launch(tmp: Path, nproc: int, scenarios: str, worker: Path = WORKER) -> dic
 
 @pytest.fixture(scope="module")
 def one_gpu(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("actor1"), 1, "hf_parity,precision_modes,memory_and_checkpoint,bad_input")
+    return _launch(tmp_path_factory.mktemp("actor1"), 1,
+                   "hf_parity,precision_modes,memory_and_checkpoint,bad_input,recompute")
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,15 @@ def test_bad_input_is_named(one_gpu):
     assert "limit is 16384" in e["too_long"]
     assert "selects no token" in e["empty_mask"]
     assert "parallel.tp" in e["tp3"]
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_full_recompute_gives_the_same_step(one_gpu, mode):
+    _ok(one_gpu, "recompute")
+    r = one_gpu["results"][f"recompute/{mode}"]
+    assert r["loss_rel_diff"] < 1e-6, r
+    assert r["grad_norm_rel_diff"] < 1e-3, r
+    assert r["max_abs_dlogp_after_step"] < 1e-2, r
 
 
 def test_parallel_layouts_match_tp1(two_gpus):

@@ -18,26 +18,8 @@ from megatron_jetrl.data.settings import (
     SyntheticSettings,
 )
 from megatron_jetrl.data.tokenizer import load_tokenizer, render_prompt
-
-WORDS = ["<unk>", "<eos>", "<|user|>", "<|system|>", "<|assistant|>", "what", "is", "2+2", "3+3", "?",
-         "be", "brief", "a", "very", "long", "question"]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-ID = {w: i for i, w in enumerate(WORDS)}
-
-
-def _tiny_hf_tokenizer(directory, chat_template=TEMPLATE) -> str:
-    """A word-level HF tokenizer saved to ``directory``, built offline with ``tokenizers``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel(ID, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    kwargs = {"chat_template": chat_template} if chat_template else {}
-    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>", **kwargs).save_pretrained(
-        directory)
-    return str(directory)
-
+from tests.helpers import ID
+from tests.helpers import tiny_hf_tokenizer as _tiny_hf_tokenizer
 
 @pytest.fixture(scope="module")
 def hf_tok(tmp_path_factory):

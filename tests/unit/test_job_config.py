@@ -107,7 +107,7 @@ def test_build_reports_types_of_nested_fields():
 def test_resolve_layout_and_its_errors():
     r = resolve(tiny("actor.parallel.tp=2", "model.config.num_key_value_heads=2"), 4)
     assert (r.dp, r.rollout_tp, r.rollout_replicas) == (2, 1, 4)
-    assert r.memory.peak > 0 and r.memory.total_params > 1e6
+    assert r.memory.peak() > 0 and r.memory.total_params > 1e6
     text = "\n".join(r.describe(tiny("actor.parallel.tp=2", "model.config.num_key_value_heads=2")))
     assert "TP=2 PP=1 DP=2" in text and "memory/GPU" in text
     with pytest.raises(ConfigError, match="must divide the world size"):

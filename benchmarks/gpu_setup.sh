@@ -1,0 +1,20 @@
+# Sourced by the GPU-host scripts (gpu_check.sh, scale_4gpu.sh) with $out set: installs the carried
+# wheels (once per machine), records the device, builds the CUDA extension; sets $gpus.
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 JETRL_GPU_OUT="$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  stamp=/tmp/site/.wheels-$(ls .whl | md5sum | cut -c1-12)
+  [ -f "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+    .whl/*.whl && touch "$stamp"; } || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
+gpus=$(nvidia-smi -L | wc -l)
+
+start=$(date +%s)
+MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1
+build_rc=$?
+echo "build rc=$build_rc ($(( $(date +%s) - start ))s)"
+[ $build_rc -eq 0 ] || { tail -40 "$out/build.log"; exit 1; }
+

@@ -1,0 +1,91 @@
+"""Summarise scale runs (jetrl train run directories): step time by phase, sync, tokens/s/GPU and
+memory per GPU measured, next to the memory plan ``jetrl check`` gives for the same config.
+
+    python benchmarks/scale_summary.py RUN_DIR [...] --world-size 4 [--json OUT]
+
+Times are means over steps 2.. (step 1 includes CUDA-graph capture and allocator warm-up). Memory
+is the largest over ranks and steps: PyTorch's peak allocation in the generate phase and in the
+update phase, and the device's used memory (PyTorch's reservation plus CUDA context, NCCL,
+cuBLAS workspaces and graph pools).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from megatron_jetrl.job import load_job, resolve
+
+PHASES = ("generate", "logprobs", "update", "sync", "step")
+
+
+def summarise(run_dir: Path, world_size: int) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "timing/step_s" in r]
+    warm = steps[1:] or steps
+
+    def mean(key):
+        vals = [r[key] for r in warm if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    def peak(key):
+        vals = [r[key] for r in steps if r.get(key) is not None]
+        return max(vals) if vals else float("nan")
+
+    job = load_job(run_dir / "config.yaml")
+    resolved = resolve(job, world_size)
+    capacity = None
+    plan = resolved.memory
+    par = job.actor.parallel
+    return {
+        "run": run_dir.name,
+        "layout": f"TP{par.tp} PP{par.pp} DP{resolved.dp}" + (" SP" if par.sequence_parallel else ""),
+        "layers": resolved.bridge.dims.num_layers,
+        "params_b": plan.total_params / 1e9,
+        "steps": len(steps),
+        "tokens_per_step": mean("perf/tokens_per_step"),
+        "seconds": {p: mean(f"timing/{p}_s") for p in PHASES},
+        "tokens_per_s_per_gpu": mean("perf/tokens_per_s_per_gpu"),
+        "measured_gib": {"generate_peak_allocated": peak("memory/generate_peak_allocated_gib"),
+                         "update_peak_allocated": peak("memory/update_peak_allocated_gib"),
+                         "peak_reserved": peak("memory/peak_reserved_gib"),
+                         "device_used": peak("memory/device_used_gib")},
+        "plan_gib": {"trainer": plan.trainer_total / 2**30, "rollout": plan.rollout_total(capacity) / 2**30,
+                     "peak": plan.peak(capacity) / 2**30},
+        "loss_finite": all(r.get("actor/loss") is not None for r in steps),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    results = []
+    for run in args.runs:
+        if not (run / "metrics.jsonl").is_file():
+            print(f"{run.name}: no metrics.jsonl (the run did not finish a step)")
+            continue
+        results.append(summarise(run, args.world_size))
+    head = (f"{'run':<16} {'layout':<14} {'layers':>6} {'params':>7} {'steps':>5} "
+            + " ".join(f"{p + '_s':>10}" for p in PHASES) + f" {'tok/s/GPU':>10}")
+    print(head)
+    for r in results:
+        print(f"{r['run']:<16} {r['layout']:<14} {r['layers']:>6} {r['params_b']:>6.1f}B {r['steps']:>5} "
+              + " ".join(f"{r['seconds'][p]:>10.2f}" for p in PHASES) + f" {r['tokens_per_s_per_gpu']:>10.0f}")
+    print()
+    print(f"{'run':<16} {'gen alloc':>10} {'upd alloc':>10} {'reserved':>10} {'device':>10}   "
+          f"{'plan train':>10} {'plan roll':>10} {'plan peak':>10}   (GiB per GPU, max over ranks)")
+    for r in results:
+        m, p = r["measured_gib"], r["plan_gib"]
+        print(f"{r['run']:<16} {m['generate_peak_allocated']:>10.1f} {m['update_peak_allocated']:>10.1f} "
+              f"{m['peak_reserved']:>10.1f} {m['device_used']:>10.1f}   {p['trainer']:>10.1f} {p['rollout']:>10.1f} "
+              f"{p['peak']:>10.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The 8B and 32B recipes pass `jetrl check` at their node counts and fit an H100 by the memory
+plan, in FP8 and in the one-key BF16/FP16 variants; a layout that does not fit is warned about
+with what to change. Only the paths are overridden: a model directory holding the shipped
+config.json (examples/configs/models/) and a stand-in tokenizer, and DAPO-schema JSONL data."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatron_jetrl.cli import main
+from megatron_jetrl.config import ConfigError
+from megatron_jetrl.estimate import GPU_MEMORY_GIB, GiB, gpu_capacity
+from megatron_jetrl.job import load_job, resolve
+from tests.helpers import tiny_hf_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "examples" / "configs"
+RECIPES = {"8b": ("qwen3_8b_dapo_fp8.yaml", 1), "32b": ("qwen3_32b_dapo_fp8.yaml", 4)}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipes")
+    out = {}
+    for size in RECIPES:
+        model = root / f"Qwen3-{size}"
+        tiny_hf_tokenizer(model)  # a stand-in tokenizer; the model's shapes come from the real config.json
+        shutil.copy(CONFIGS / "models" / f"qwen3-{size}.json", model / "config.json")
+        out[size] = model
+    record = {"prompt": [{"role": "user", "content": "what is 2+2 ?"}], "reward_model": {"ground_truth": "4"}}
+    (root / "dapo.jsonl").write_text("\n".join(json.dumps(record) for _ in range(8)) + "\n")
+    out["data"] = root / "dapo.jsonl"
+    return out
+
+
+def overrides(paths, size):
+    return [f"model.hf_config={paths[size]}", f"data.train.path={paths['data']}", f"data.eval.path={paths['data']}"]
+
+
+@pytest.mark.parametrize("mode", ["fp8", "bf16", "fp16", "bf16-train+fp8-rollout"])
+@pytest.mark.parametrize("size", sorted(RECIPES))
+def test_recipe_checks_and_fits_an_h100(paths, capsys, size, mode):
+    name, nodes = RECIPES[size]
+    code = main(["check", str(CONFIGS / name), "--nodes", str(nodes), *overrides(paths, size),
+                 f"precision.mode={mode}"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "config OK" in out.out and "WARNING" not in out.out and "does not fit" not in out.out
+    assert f"world        {8 * nodes} processes" in out.out
+    job = load_job(CONFIGS / name, [*overrides(paths, size), f"precision.mode={mode}"])
+    plan = resolve(job, 8 * nodes).memory
+    assert plan.fits(GPU_MEMORY_GIB["H100"] * GiB)
+    assert plan.peak(GPU_MEMORY_GIB["H100"] * GiB) > 40 * GiB  # the recipes use the GPU, not a corner of it
+
+
+def test_recipe_parameter_counts(paths):
+    counts = {size: resolve(load_job(CONFIGS / name, overrides(paths, size)), 8 * nodes).memory.total_params
+              for size, (name, nodes) in RECIPES.items()}
+    assert 8.1e9 < counts["8b"] < 8.3e9 and 32.7e9 < counts["32b"] < 32.9e9
+
+
+def test_32b_on_one_node_does_not_fit_and_says_what_to_change(paths, capsys):
+    name, _ = RECIPES["32b"]
+    code = main(["check", str(CONFIGS / name), "--nodes", "1", *overrides(paths, "32b")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "does not fit in memory" in out
+    assert "WARNING: the estimated peak per GPU is" in out and "more GPUs" in out
+
+
+def test_activation_warning_names_recompute(paths, capsys):
+    name, nodes = RECIPES["8b"]
+    main(["check", str(CONFIGS / name), "--nodes", str(nodes), *overrides(paths, "8b"), "actor.recompute=none",
+          "actor.parallel.sequence_parallel=false"])
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "actor.recompute=full" in out
+
+
+def test_memory_terms_by_hand(paths):
+    """The 8B recipe's plan, term by term, from the Qwen3-8B shapes (TP=2 +SP, DP=4, 18432 tokens)."""
+    job = load_job(CONFIGS / RECIPES["8b"][0], overrides(paths, "8b"))
+    m = resolve(job, 8).memory
+    h, ffn, layers, vocab, heads, groups, hd = 4096, 12288, 36, 151936, 32, 8, 128
+    layer = h * (heads + 2 * groups) * hd + heads * hd * h + 3 * h * ffn  # qkv, proj, fc1 (gate, up), fc2
+    norms = 2 * h + 2 * hd  # input/post-attention norms, q/k norms
+    local = (layers * (layer + norms) + 2 * vocab * h) / 2
+    assert m.trainer_weights == pytest.approx(local * 2 + h * 2 / 2, rel=1e-6)  # + the final norm
+    assert m.trainer_grads == pytest.approx(2 * m.trainer_weights)
+    assert m.optimizer == pytest.approx(6 * m.trainer_weights / 4)
+    assert m.fp8_copies == pytest.approx(layers * layer / 2 * 2)
+    tokens, padded = 18432, 152064  # the vocab padded to a multiple of 128 x TP
+    assert m.activations == pytest.approx(layers * tokens * h * 2 / 2 + tokens * h * 34 / 2 + tokens * padded / 2 * 8)
+    assert m.rollout_total(80 * GiB) == pytest.approx(0.7 * 80 * GiB)
+    assert m.host_offload == pytest.approx(m.trainer_weights + m.optimizer)
+
+
+def test_gpu_capacity_and_recompute_setting():
+    assert gpu_capacity("h200") == GPU_MEMORY_GIB["H200"] * GiB and gpu_capacity("40") == 40 * GiB
+    for bad in ("A100", "-1", "0"):
+        with pytest.raises(ValueError, match="--gpu-memory"):
+            gpu_capacity(bad)
+    with pytest.raises(ConfigError, match="actor.recompute"):
+        load_job(CONFIGS / "tiny_countdown.yaml", ["actor.recompute=selective"])
+
+
+def test_check_flag_errors(capsys):
+    cfg = str(CONFIGS / "tiny_countdown.yaml")
+    assert main(["check", cfg, "--gpu-memory", "A100"]) == 2
+    assert "--gpu-memory" in capsys.readouterr().err
+    assert main(["check", cfg, "--world-size", "6", "--gpus-per-node", "4"]) == 2
+    assert "multiple of --gpus-per-node" in capsys.readouterr().err
+    assert main(["check", cfg, "--nodes", "2", "--gpus-per-node", "3", "actor.parallel.tp=2",
+                 "model.config.num_key_value_heads=2"]) == 2
+    assert "no TP group spans nodes" in capsys.readouterr().err
