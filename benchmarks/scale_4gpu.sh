@@ -28,8 +28,8 @@ train() {  # name, time limit (s), overrides...
   return $rc
 }
 
-train tp4 210 model.config.num_hidden_layers="$layers" actor.parallel.tp=4
-train tp2pp2 210 model.config.num_hidden_layers="$layers" actor.parallel.tp=2 actor.parallel.pp=2
+train tp4 190 model.config.num_hidden_layers="$layers" actor.parallel.tp=4
+train tp2pp2 190 model.config.num_hidden_layers="$layers" actor.parallel.tp=2 actor.parallel.pp=2
 
 # full activation recompute against none, one GPU (the recompute scenario of tests/gpu/test_actor.py)
 timeout 90 torchrun --standalone --nproc-per-node=1 tests/gpu/actor_worker.py --root /tmp/recompute \
