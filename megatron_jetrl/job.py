@@ -42,7 +42,8 @@ class RunSettings:
     """``dir`` holds everything a run writes (resolved config, checkpoints, metrics, TensorBoard).
     ``resume``: continue from the newest complete checkpoint in ``dir`` (false: refuse to start
     when ``dir`` already has checkpoints, so nothing is overwritten). ``save_every`` 0 saves only
-    at the end and on preemption; ``eval_every`` 0 never evaluates."""
+    at the end and on preemption; ``save_at_end`` false skips the final checkpoint (benchmarks:
+    a large model's checkpoint takes minutes and disk); ``eval_every`` 0 never evaluates."""
 
     dir: str
     steps: int
@@ -51,8 +52,11 @@ class RunSettings:
     keep_last: int = 2
     eval_every: int = 0
     resume: bool = True
+    save_at_end: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.save_at_end, bool):
+            raise ConfigError("run.save_at_end", self.save_at_end, "must be true or false")
         if not self.dir:
             raise ConfigError("run.dir", self.dir, "must be a directory path")
         _int("run.steps", self.steps, 1)

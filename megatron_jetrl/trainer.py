@@ -96,7 +96,7 @@ class Trainer:
                 self.metrics.log(self.step, metrics)
                 self.console.step_done(self.step, metrics, CONSOLE_KEYS)
                 stop = preemption.agreed(self._any_rank)
-                last = self.step == self.job.run.steps
+                last = self.step == self.job.run.steps and self.job.run.save_at_end
                 if stop or last or (self.job.run.save_every and self.step % self.job.run.save_every == 0):
                     self.save()
                 if stop:
