@@ -19,8 +19,10 @@ embedding and/or LM head it holds / TP):
     rollout weights     all parameters / rollout TP (1 byte for FP8 linears, 2 otherwise)
     rollout kv cache    hf: max_batch_tokens slots x layers x 2 (K, V) x kv heads x head_dim x 2 bytes;
                         vLLM: weights and cache together take gpu_memory_utilization of the GPU
-    runtime             CUDA context, NCCL and cuBLAS workspaces and the caching allocator's slack
-                        (RUNTIME_RESERVE_GIB, measured on the GPU host: docs/benchmarks.md)
+    runtime             RUNTIME_RESERVE_GIB for the CUDA context, NCCL and cuBLAS workspaces and CUDA
+                        graph pools, plus ALLOCATOR_SLACK of the resident bytes for the caching
+                        allocator's reserved-but-unallocated blocks (both calibrated on the GPU host
+                        against the Qwen3-32B-dims runs: docs/benchmarks.md)
 
 With ``rollout.offload_actor`` (colocation) the trainer's terms and the engine's are not resident
 together: the peak is the larger side; the trainer's weights and optimizer state wait in pinned
@@ -38,9 +40,12 @@ from megatron_jetrl.models import ModelBridge
 from megatron_jetrl.rollout.settings import RolloutSettings
 
 GiB = 2**30
-RUNTIME_RESERVE_GIB = 6.0
-"""CUDA context (~0.6 GiB), NCCL communicators and buffers, cuBLAS/cuDNN workspaces, the hf engine's
-CUDA graphs and the caching allocator's fragmentation, per process."""
+RUNTIME_RESERVE_GIB = 8.0
+"""Device memory outside PyTorch's allocator, per process: CUDA context, NCCL communicators and
+buffers, cuBLAS workspaces (measured 8 GiB at TP=4 and at TP=2 x PP=2 on 4 H200s)."""
+ALLOCATOR_SLACK = 0.08
+"""The caching allocator's reserved-but-unallocated share (measured 12 and 17 GiB over 103 and
+106 GiB allocated in those runs, where the plan's terms summed to 107 and 115 GiB)."""
 GPU_MEMORY_GIB = {"H100": 79.1, "H200": 139.8}
 """What torch reports as total memory (``mem_get_info``) on the 80 GB and 141 GB parts."""
 
@@ -71,9 +76,16 @@ class MemoryEstimate:
 
     def peak(self, capacity: float | None = None) -> float:
         """Bytes resident at the worst moment of a step, runtime reserve included."""
+        resident = self.resident(capacity)
+        return resident + self.runtime_reserve(capacity)
+
+    def resident(self, capacity: float | None = None) -> float:
+        """The plan's terms at the worst moment (colocated: the larger side; otherwise both)."""
         rollout = self.rollout_total(capacity)
-        resident = max(self.trainer_total, rollout) if self.offload_actor else self.trainer_total + rollout
-        return resident + RUNTIME_RESERVE_GIB * GiB
+        return max(self.trainer_total, rollout) if self.offload_actor else self.trainer_total + rollout
+
+    def runtime_reserve(self, capacity: float | None = None) -> float:
+        return RUNTIME_RESERVE_GIB * GiB + ALLOCATOR_SLACK * self.resident(capacity)
 
     def fits(self, capacity: float) -> bool:
         return self.peak(capacity) <= capacity
@@ -108,7 +120,7 @@ class MemoryEstimate:
             rows.append((f"vllm share ({self.vllm_share:g} x GPU)", self.rollout_total(capacity)))
         else:
             rows += [("rollout weights", self.rollout_weights), ("rollout kv cache", self.rollout_kv_cache)]
-        rows += [("runtime reserve", RUNTIME_RESERVE_GIB * GiB),
+        rows += [("runtime reserve", self.runtime_reserve(capacity)),
                  ("peak" + (" (colocated: max)" if self.offload_actor else " (sum)"), self.peak(capacity))]
         if self.offload_actor:
             rows.append(("host (pinned) for offload", self.host_offload))
