@@ -25,6 +25,7 @@ from megatron_jetrl import launch
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.estimate import gpu_capacity
 from megatron_jetrl.job import JobConfig, Resolved, load_data, load_job, resolve
+from megatron_jetrl.runtime.signals import PreemptionSignal
 
 EXIT_CONFIG = 2
 
@@ -98,6 +99,13 @@ def check(job: JobConfig, args: argparse.Namespace) -> int:
 
 
 def train(job: JobConfig, args: argparse.Namespace) -> int:
+    # stop signals are recorded from here on: one that arrives while the model is being built is
+    # honoured (checkpoint, exit 75) after the first step instead of killing the process unsaved
+    with PreemptionSignal() as preemption:
+        return _train(job, args, preemption)
+
+
+def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSignal) -> int:
     placement = launch.detect(os.environ)
     resolved = resolve(job, placement.world_size)  # layout and data errors before any GPU work
     launch.check_parallel_layout(placement, job.actor.parallel, resolved.rollout_tp)
@@ -105,7 +113,7 @@ def train(job: JobConfig, args: argparse.Namespace) -> int:
     os.environ.update(placement.torch_env())
     launch.apply_env(os.environ, backend_env(job, resolved), launch.BACKEND_DEFAULTS)
     if args.smoke:
-        return _smoke(job, resolved, placement, args.smoke_step_seconds)
+        return _smoke(job, resolved, placement, preemption, args.smoke_step_seconds)
 
     import torch
     import torch.distributed as dist
@@ -138,7 +146,7 @@ def train(job: JobConfig, args: argparse.Namespace) -> int:
     dist.barrier()
     trainer = Trainer(job, resolved, data, run_dir=run_dir)
     try:
-        return trainer.run()
+        return trainer.run(preemption)
     finally:
         trainer.close()
         dist.destroy_process_group()
@@ -156,7 +164,8 @@ def backend_env(job: JobConfig, resolved: Resolved) -> dict[str, str]:
     return env
 
 
-def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, step_seconds: float) -> int:
+def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, preemption: PreemptionSignal,
+           step_seconds: float) -> int:
     import torch.distributed as dist
 
     from megatron_jetrl.smoke import run_smoke
@@ -167,7 +176,7 @@ def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, step
     try:
         if dist.get_rank() == 0:
             print("\n".join(resolved.describe(job)), flush=True)
-        return run_smoke(placement, Path(job.run.dir), steps=job.run.steps, save_every=job.run.save_every,
+        return run_smoke(placement, Path(job.run.dir), preemption, steps=job.run.steps, save_every=job.run.save_every,
                          keep_last=job.run.keep_last, parallel=job.actor.parallel, dp_size=resolved.dp,
                          rollout_tp=resolved.rollout_tp, step_seconds=step_seconds)
     finally:

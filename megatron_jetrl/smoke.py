@@ -56,9 +56,10 @@ def groups(parallel: ParallelLayout, dp_size: int) -> dict[str, list[list[int]]]
     }
 
 
-def run_smoke(placement: Placement, run_dir: Path, *, steps: int, save_every: int, keep_last: int,
-              parallel: ParallelLayout, dp_size: int, rollout_tp: int, step_seconds: float) -> int:
-    """The smoke job on an initialised gloo process group; returns the exit status."""
+def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal, *, steps: int, save_every: int,
+              keep_last: int, parallel: ParallelLayout, dp_size: int, rollout_tp: int, step_seconds: float) -> int:
+    """The smoke job on an initialised gloo process group, with the launcher's signal handlers
+    ``preemption`` (entered); returns the exit status."""
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     coords = coordinates(rank, parallel, dp_size)
@@ -82,24 +83,23 @@ def run_smoke(placement: Placement, run_dir: Path, *, steps: int, save_every: in
         step = json.loads((latest / "state.json").read_text())["step"]
         say(f"smoke: resumed from {latest} (step {step})", flush=True)
 
-    with PreemptionSignal() as preemption:
-        while step < steps:
-            step += 1
-            _collectives(rank, world, handles, step)
-            time.sleep(step_seconds)
-            say(f"smoke: step {step}/{steps} ok", flush=True)
-            stop = preemption.agreed(lambda flag: any_rank(flag, torch.device("cpu")))
-            if stop or step == steps or (save_every and step % save_every == 0):
-                staging = checkpoints.begin(step)
-                (staging / f"rank_{rank:05d}.json").write_text(json.dumps(me))
-                if rank == 0:
-                    (staging / "state.json").write_text(json.dumps({"step": step}))
-                checkpoints.commit(step)
-                say(f"smoke: checkpoint step {step} saved", flush=True)
-            if stop:
-                say(f"smoke: {preemption.signal_name or 'a signal'} received: checkpoint of step {step} saved; "
-                    "run the same command to continue", flush=True)
-                return EXIT_PREEMPTED
+    while step < steps:
+        step += 1
+        _collectives(rank, world, handles, step)
+        time.sleep(step_seconds)
+        say(f"smoke: step {step}/{steps} ok", flush=True)
+        stop = preemption.agreed(lambda flag: any_rank(flag, torch.device("cpu")))
+        if stop or step == steps or (save_every and step % save_every == 0):
+            staging = checkpoints.begin(step)
+            (staging / f"rank_{rank:05d}.json").write_text(json.dumps(me))
+            if rank == 0:
+                (staging / "state.json").write_text(json.dumps({"step": step}))
+            checkpoints.commit(step)
+            say(f"smoke: checkpoint step {step} saved", flush=True)
+        if stop:
+            say(f"smoke: {preemption.signal_name or 'a signal'} received: checkpoint of step {step} saved; "
+                "run the same command to continue", flush=True)
+            return EXIT_PREEMPTED
     say(f"smoke: done, {steps} steps", flush=True)
     return 0
 

@@ -85,8 +85,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self) -> int:
-        with PreemptionSignal() as preemption:
+    def run(self, preemption: Optional[PreemptionSignal] = None) -> int:
+        """The job to its last step, or to a stop signal (checkpoint, then ``EXIT_PREEMPTED``).
+        ``preemption``: handlers the launcher installed before start-up (a signal that arrives
+        while the model is built is honoured after the first step); default: installed here."""
+        with contextlib.ExitStack() as stack:
+            if preemption is None:
+                preemption = stack.enter_context(PreemptionSignal())
             if not self._start(preemption):
                 return self._stop(preemption, saved=False)
             while self.step < self.job.run.steps:
