@@ -127,11 +127,7 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
                           "(srun --ntasks-per-node / torchrun --nproc-per-node = GPUs per node)")
     torch.cuda.set_device(placement.local_rank)
     capacity = torch.cuda.mem_get_info()[1]
-    problems = resolved.memory.problems(capacity)
-    if problems and not args.skip_memory_check:
-        raise ConfigError("memory plan", f"{resolved.memory.peak(capacity) / 2**30:.1f} GiB per GPU",
-                          "; ".join(problems) + " (jetrl check CONFIG prints the plan; --skip-memory-check "
-                          "starts anyway)")
+    problems = check_memory(resolved, capacity, skip=args.skip_memory_check)
     dist.init_process_group("nccl", device_id=torch.device("cuda", placement.local_rank))
     from megatron_jetrl.trainer import Trainer
 
@@ -150,6 +146,17 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     finally:
         trainer.close()
         dist.destroy_process_group()
+
+
+def check_memory(resolved: Resolved, capacity: float, *, skip: bool) -> list[str]:
+    """Refuse a job whose memory plan exceeds a GPU of ``capacity`` bytes (unless ``skip``);
+    returns the plan's problems (printed as warnings when skipped)."""
+    problems = resolved.memory.problems(capacity)
+    if problems and not skip:
+        raise ConfigError("memory plan", f"{resolved.memory.peak(capacity) / 2**30:.1f} GiB per GPU",
+                          "; ".join(problems) + " (jetrl check CONFIG prints the plan; --skip-memory-check "
+                          "starts anyway)")
+    return problems
 
 
 def backend_env(job: JobConfig, resolved: Resolved) -> dict[str, str]:

@@ -69,7 +69,8 @@ class Placement:
             raise LaunchError("LOCAL_RANK", self.local_rank,
                               f"must be in [0, {self.local_world_size}) (processes on this node)")
         if not 0 <= self.node_rank < self.num_nodes:
-            raise LaunchError("node rank", self.node_rank, f"must be in [0, {self.num_nodes}) (nodes in the job)")
+            raise LaunchError("SLURM_NODEID or GROUP_RANK", self.node_rank,
+                              f"must be in [0, {self.num_nodes}) (nodes in the job)")
         if self.local_world_size * self.num_nodes != self.world_size:
             raise LaunchError(
                 "WORLD_SIZE", self.world_size,

@@ -1,4 +1,4 @@
-"""examples/slurm/train.sbatch under a real SLURM (a single-node cluster from Debian's slurm-wlm and
+"""examples/slurm/train.sbatch and convert.sbatch under a real SLURM (a single-node cluster from Debian's slurm-wlm and
 munge that .ci/slurm_up.sh starts): srun's tasks rendezvous and report their layout, SIGUSR1 from
 the scheduler makes every rank checkpoint and exit 75, the script requeues the job, and the requeued
 job resumes from that checkpoint and finishes. Also: the launch errors a cluster user can make.
@@ -117,3 +117,31 @@ def test_jetrl_in_the_batch_shell_is_refused(tmp_path):
                          capture_output=True, text=True, env=_env(), timeout=120, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert "start it as `srun jetrl train ...`" in (tmp_path / "batch.out").read_text()
+
+
+def test_convert_sbatch_round_trip(tmp_path):
+    """examples/slurm/convert.sbatch both ways on a tiny Qwen3: HF -> megatron -> HF, bit-exact."""
+    from safetensors.torch import load_file
+
+    from tests.model_fixtures import save_tiny_hf
+
+    save_tiny_hf("Qwen3ForCausalLM", tmp_path / "hf", num_layers=2)
+    options = ["--wait", "--partition=debug", "--cpus-per-task=1", "--time=10"]
+    script = str(ROOT / "examples" / "slurm" / "convert.sbatch")
+    steps = (("to-megatron", tmp_path / "hf", tmp_path / "mg"), ("to-hf", tmp_path / "mg", tmp_path / "back"))
+    for direction, src, dst in steps:
+        log = tmp_path / f"{direction}.out"
+        out = subprocess.run(["sbatch", *options, f"--output={log}", script, direction, str(src), str(dst)],
+                             capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr + (log.read_text() if log.exists() else "")
+    original = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        original.update(load_file(f))
+    back = {}
+    for f in (tmp_path / "back").glob("*.safetensors"):
+        back.update(load_file(f))
+    assert original.keys() == back.keys()
+    assert all(original[k].equal(back[k]) for k in original)
+    bad = subprocess.run(["sbatch", *options, f"--output={tmp_path / 'bad.out'}", script, "to-nowhere", "a", "b"],
+                         capture_output=True, text=True, env=_env(), timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "usage: sbatch" in (tmp_path / "bad.out").read_text()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_jetrl.cli import main
+from megatron_jetrl.cli import backend_env, check_memory, main
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.estimate import GPU_MEMORY_GIB, GiB, gpu_capacity
 from megatron_jetrl.job import load_job, resolve
@@ -114,3 +114,23 @@ def test_check_flag_errors(capsys):
     assert main(["check", cfg, "--nodes", "2", "--gpus-per-node", "3", "actor.parallel.tp=2",
                  "model.config.num_key_value_heads=2"]) == 2
     assert "no TP group spans nodes" in capsys.readouterr().err
+
+
+def test_train_refuses_a_plan_over_the_gpu(paths):
+    """What jetrl train does with the GPU's size before building anything: the 32B recipe on one
+    node is refused with the plan's reasons; --skip-memory-check lets it start with warnings."""
+    job = load_job(CONFIGS / RECIPES["32b"][0], overrides(paths, "32b"))
+    resolved = resolve(job, 8)
+    h100 = GPU_MEMORY_GIB["H100"] * GiB
+    with pytest.raises(ConfigError, match="memory plan.*GiB per GPU.*more GPUs.*--skip-memory-check"):
+        check_memory(resolved, h100, skip=False)
+    assert check_memory(resolved, h100, skip=True)
+    assert check_memory(resolve(job, 32), h100, skip=False) == []
+
+
+def test_backend_env_follows_the_recipe(paths):
+    job = load_job(CONFIGS / RECIPES["8b"][0], overrides(paths, "8b"))
+    assert backend_env(job, resolve(job, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    te = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te",
+                                               "precision.fp8.pow2_scales=true", "rollout.engine=hf"])
+    assert backend_env(te, resolve(te, 8)) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
