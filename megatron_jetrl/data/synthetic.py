@@ -8,10 +8,17 @@ Text layout (the prompt ends where the response begins; the trainer appends ``<e
 
     countdown    prompt "3 5 7>22="    solution "3*5+7"    answer {"numbers": [3, 5, 7], "target": 22}
     arithmetic   prompt "12*34="       solution "408"      answer 408
+    runsum       prompt "07 45 12>"    solution "07 52 64" answer [7, 45, 12]
 
 Scoring is strict and never raises on model output: the whole response (surrounding whitespace
 aside) must be the answer, so trailing text after a correct answer scores 0. Countdown responses
 are parsed by a small recursive-descent parser over exact fractions, never ``eval``.
+
+``runsum`` is the long-response task (issue 8's mismatch study): the running sums mod 100 of
+``length`` two-digit numbers, 3 x length - 1 characters of response. Each entry depends on the
+previous one and on the matching prompt number, so one early mistake spoils the rest, as in a long
+chain of reasoning; it scores the fraction of entries correct before the first wrong one (partial
+credit keeps the reward dense at 100+ tokens), 1.0 only for the whole answer.
 """
 
 from __future__ import annotations
@@ -262,6 +269,43 @@ def _arithmetic_score(text: str, answer: int) -> float:
     return 1.0 if text == str(int(answer)) else 0.0
 
 
+# ---------------------------------------------------------------- runsum
+
+
+def _runsum_options(options: Mapping[str, object]) -> dict:
+    return {"length": _int_option(options, "length", 2, RUNSUM_MAX_LENGTH)}
+
+
+def _runsum_generate(rng: random.Random, options: Mapping[str, object]) -> dict:
+    numbers = [rng.randint(0, 99) for _ in range(options["length"])]
+    return {"prompt": " ".join(f"{n:02d}" for n in numbers) + ">", "answer": numbers,
+            "solution": " ".join(f"{s:02d}" for s in _running_sums(numbers))}
+
+
+def _running_sums(numbers: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for n in numbers:
+        total = (total + n) % 100
+        out.append(total)
+    return out
+
+
+def _runsum_score(text: str, answer: Sequence[int]) -> float:
+    expected = [f"{s:02d}" for s in _running_sums([int(n) for n in answer])]
+    got = text.split(" ")
+    if len(got) > len(expected):
+        return 0.0
+    correct = 0
+    for g, e in zip(got, expected, strict=False):  # a short response is scored up to its end
+        if g != e:
+            break
+        correct += 1
+    return correct / len(expected)
+
+
+RUNSUM_MAX_LENGTH = 64
+
+
 # ---------------------------------------------------------------- registry
 
 
@@ -276,7 +320,10 @@ class SyntheticTask:
     """Validates the merged options (ConfigError naming the option) and returns them normalised."""
     make_record: Callable[[random.Random, Mapping[str, object]], dict]
     verify: Callable[[str, object], float]
-    """(stripped response of at most MAX_RESPONSE_CHARS, answer) -> 1.0 or 0.0."""
+    """(stripped response of at most ``max_response_chars``, answer) -> a score in [0, 1] (1.0 or
+    0.0 but for runsum's partial credit)."""
+    max_response_chars: int = MAX_RESPONSE_CHARS
+    """Longer responses score 0 unread."""
 
     def tokenizer(self) -> CharTokenizer:
         return TOKENIZER
@@ -295,10 +342,11 @@ class SyntheticTask:
         return [self.make_record(rng, checked) for _ in range(size)]
 
     def score(self, response: str, answer: object) -> float:
-        """1.0 if ``response`` (surrounding whitespace aside) is a correct answer, else 0.0; never
-        raises on model output. Responses longer than MAX_RESPONSE_CHARS score 0 unread."""
+        """The task's score of ``response`` (surrounding whitespace aside): 1.0 for a correct
+        answer; never raises on model output. Responses longer than ``max_response_chars`` score 0
+        unread."""
         text = response.strip()
-        if not text or len(text) > MAX_RESPONSE_CHARS:
+        if not text or len(text) > self.max_response_chars:
             return 0.0
         return self.verify(text, answer)
 
@@ -317,5 +365,13 @@ TASKS: dict[str, SyntheticTask] = {
         check_options=_arithmetic_options,
         make_record=_arithmetic_generate,
         verify=_arithmetic_score,
+    ),
+    "runsum": SyntheticTask(
+        name="runsum",
+        defaults={"length": 32},
+        check_options=_runsum_options,
+        make_record=_runsum_generate,
+        verify=_runsum_score,
+        max_response_chars=3 * RUNSUM_MAX_LENGTH,
     ),
 }

@@ -30,6 +30,8 @@ def test_generate_is_deterministic_by_seed(name):
     ("countdown", {"num_numbers": 2, "min_number": 0, "max_number": 3, "ops": "-"}),
     ("arithmetic", {}),
     ("arithmetic", {"digits": 3, "ops": "+-*"}),
+    ("runsum", {}),
+    ("runsum", {"length": 64}),
 ])
 def test_solutions_score_one_after_json_round_trip(name, options):
     task = TASKS[name]
@@ -143,3 +145,30 @@ def test_random_responses_never_raise(name):
     for _ in range(3000):
         response = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80)))
         assert task.score(response, rec["answer"]) in (0.0, 1.0)
+
+
+RS = TASKS["runsum"]
+
+
+def test_runsum_record_layout_and_partial_credit():
+    rec = RS.generate(1, seed=3, length=4)[0]
+    nums = rec["answer"]
+    assert rec["prompt"] == " ".join(f"{n:02d}" for n in nums) + ">"
+    sums = [sum(nums[: i + 1]) % 100 for i in range(4)]
+    assert rec["solution"] == " ".join(f"{s:02d}" for s in sums)
+    assert RS.score(rec["solution"], nums) == 1.0
+    wrong_third = rec["solution"].split(" ")
+    wrong_third[2] = f"{(sums[2] + 1) % 100:02d}"
+    assert RS.score(" ".join(wrong_third), nums) == 0.5  # credit stops at the first wrong entry
+    assert RS.score(" ".join(rec["solution"].split(" ")[:3]), nums) == 0.75  # a cut-off answer
+    assert RS.score(rec["solution"] + " 00", nums) == 0.0  # more entries than asked for
+    assert RS.score(rec["solution"].replace(" ", ","), nums) == 0.0
+
+
+def test_runsum_long_responses_are_allowed_up_to_its_own_cap():
+    rec = RS.generate(1, seed=0, length=64)[0]
+    assert len(rec["solution"]) == 3 * 64 - 1 > MAX_RESPONSE_CHARS
+    assert RS.score(rec["solution"], rec["answer"]) == 1.0
+    assert RS.score("1" * (RS.max_response_chars + 1), rec["answer"]) == 0.0
+    with pytest.raises(ConfigError, match="length"):
+        RS.generate(1, seed=0, length=65)
