@@ -63,7 +63,8 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.9"],
         "vllm": ["vllm>=0.32"],
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "matplotlib"],  # matplotlib: the study plots (benchmarks/mismatch_plots.py)
+        "study": ["matplotlib"],
     },
     entry_points={"console_scripts": ["jetrl = megatron_jetrl.cli:main"]},
     zip_safe=False,

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The mismatch and speed study (issue 8) as one call on a GPU host (one GPU, H100 or H200):
+# build, then benchmarks/mismatch_study.py, then the tables last. The runs' metrics, logs and
+# study.json come back as $OUT/study.tgz; plots are drawn from them anywhere matplotlib is:
+#   device tool:  carry [".whl"], command: bash benchmarks/study_gpu.sh [--steps 40] [--parallel 4]
+#   then here:    tar xzf study.tgz && python benchmarks/mismatch_plots.py study --out docs/figures
+# Arguments go to mismatch_study.py. A device call is limited to 10 minutes; STUDY_TIMEOUT (s,
+# default 240) bounds each run so that the call ends with whatever finished.
+set -uo pipefail
+out=${OUT:-study_out}
+# shellcheck source=benchmarks/gpu_setup.sh
+. benchmarks/gpu_setup.sh
+dir=/tmp/study
+rm -rf "$dir"
+t0=$(date +%s)
+python3 benchmarks/mismatch_study.py --out "$dir" --timeout "${STUDY_TIMEOUT:-240}" "$@" >"$out/study.log" 2>&1
+rc=$?
+find "$dir" -name "checkpoints" -prune -o -name "sft" -prune -o \( -name "*.jsonl" -o -name "*.log" -o -name "*.json" \) \
+  -print | tar czf "$out/study.tgz" --transform "s|^${dir#/}|study|" -T - 2>/dev/null
+grep "^\[study\]" "$out/study.log"
+echo "study rc=$rc ($(( $(date +%s) - t0 )) s)"
+sed -n '/^| run/,$p' "$out/study.log"
+exit $rc
