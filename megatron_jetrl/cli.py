@@ -70,24 +70,21 @@ def check(job: JobConfig, args: argparse.Namespace) -> int:
         capacity = gpu_capacity(args.gpu_memory)
     except ValueError as e:
         raise ConfigError("--gpu-memory", args.gpu_memory, str(e).split("; ", 1)[-1]) from None
-    per_node = args.gpus_per_node
-    if per_node < 1:
-        raise ConfigError("--gpus-per-node", per_node, "must be >= 1")
+    for flag, value in (("--world-size", args.world_size), ("--nodes", args.nodes),
+                        ("--gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(flag, value, "must be >= 1")
     if args.world_size is not None:
         world = args.world_size
     elif args.nodes is not None:
-        world = args.nodes * per_node
+        world = args.nodes * args.gpus_per_node
     else:
         world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
-    if world < 1 or (args.nodes is not None and args.nodes < 1):
-        raise ConfigError("--world-size" if args.nodes is None else "--nodes", args.world_size or args.nodes,
-                          "must be >= 1")
-    per_node = min(per_node, world)
+    per_node = min(args.gpus_per_node, world)
     if world % per_node:
         raise ConfigError("--world-size", world, f"must be a multiple of --gpus-per-node ({per_node})")
     resolved = resolve(job, world)
-    placement = launch.Placement("single", 0, world, 0, per_node, 0, world // per_node, "127.0.0.1", 1)
-    launch.check_parallel_layout(placement, job.actor.parallel, resolved.rollout_tp)
+    launch.check_parallel_layout(world // per_node, per_node, job.actor.parallel, resolved.rollout_tp)
     load_data(job, resolved)
     print("\n".join(resolved.describe(job, capacity)))
     print(f"run dir      {job.run.dir}")
@@ -108,7 +105,8 @@ def train(job: JobConfig, args: argparse.Namespace) -> int:
 def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSignal) -> int:
     placement = launch.detect(os.environ)
     resolved = resolve(job, placement.world_size)  # layout and data errors before any GPU work
-    launch.check_parallel_layout(placement, job.actor.parallel, resolved.rollout_tp)
+    launch.check_parallel_layout(placement.num_nodes, placement.local_world_size, job.actor.parallel,
+                                 resolved.rollout_tp)
     data = load_data(job, resolved)
     os.environ.update(placement.torch_env())
     launch.apply_env(os.environ, backend_env(job, resolved), launch.BACKEND_DEFAULTS)

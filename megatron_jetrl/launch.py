@@ -153,12 +153,12 @@ def _from_srun(environ: Mapping[str, str]) -> Placement:
         restart_count=_int(environ, "SLURM_RESTART_COUNT", default=0))
 
 
-def check_parallel_layout(placement: Placement, parallel: ParallelLayout, rollout_tp: int) -> None:
-    """Tensor-parallel groups stay inside a node: their all-reduces run every layer and would crawl
-    over the inter-node network. (TP x PP x DP = world is ``job.resolve``'s check.)"""
-    if placement.num_nodes == 1:
+def check_parallel_layout(num_nodes: int, per_node: int, parallel: ParallelLayout, rollout_tp: int) -> None:
+    """Tensor-parallel groups stay inside a node (of ``per_node`` processes): their all-reduces
+    run every layer and would crawl over the inter-node network. (TP x PP x DP = world is
+    ``job.resolve``'s check.)"""
+    if num_nodes == 1:
         return
-    per_node = placement.local_world_size
     if per_node % parallel.tp:
         raise ConfigError("actor.parallel.tp", parallel.tp,
                           f"must divide the processes per node ({per_node}) so that no TP group spans nodes")

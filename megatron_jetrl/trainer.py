@@ -101,8 +101,8 @@ class Trainer:
                 self.metrics.log(self.step, metrics)
                 self.console.step_done(self.step, metrics, CONSOLE_KEYS)
                 stop = preemption.agreed(self._any_rank)
-                last = self.step == self.job.run.steps and self.job.run.save_at_end
-                if stop or last or (self.job.run.save_every and self.step % self.job.run.save_every == 0):
+                final_save = self.step == self.job.run.steps and self.job.run.save_at_end
+                if stop or final_save or (self.job.run.save_every and self.step % self.job.run.save_every == 0):
                     self.save()
                 if stop:
                     return self._stop(preemption, saved=True)
@@ -399,7 +399,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _phase(self, name: str):
-        """Time a phase of the step (CUDA-synchronised) and show it in the console view."""
+        """Time a phase of the step (CUDA-synchronised), show it in the console view, and record
+        the GPU memory it peaked at (``_memory_metrics``)."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -7,7 +7,6 @@ from megatron_jetrl.launch import (
     PORT_BASE,
     PORT_SPAN,
     LaunchError,
-    Placement,
     apply_env,
     check_parallel_layout,
     detect,
@@ -121,13 +120,12 @@ def test_plain_start_is_a_world_of_one():
 
 
 def test_tp_groups_stay_inside_a_node():
-    two_nodes = Placement("srun", 0, 16, 0, 8, 0, 2, "h", 1)
-    check_parallel_layout(two_nodes, ParallelLayout(tp=8), 4)
+    check_parallel_layout(2, 8, ParallelLayout(tp=8), 4)
     with pytest.raises(ConfigError, match="actor.parallel.tp.*no TP group spans nodes"):
-        check_parallel_layout(Placement("srun", 0, 12, 0, 6, 0, 2, "h", 1), ParallelLayout(tp=4), 2)
+        check_parallel_layout(2, 6, ParallelLayout(tp=4), 2)
     with pytest.raises(ConfigError, match="rollout.vllm.tensor_parallel_size"):
-        check_parallel_layout(two_nodes, ParallelLayout(tp=2), 16)
-    check_parallel_layout(Placement("single", 0, 4, 0, 4, 0, 1, "h", 1), ParallelLayout(tp=4), 4)
+        check_parallel_layout(2, 8, ParallelLayout(tp=2), 16)
+    check_parallel_layout(1, 4, ParallelLayout(tp=4), 4)
 
 
 def test_apply_env_sets_required_and_defaults_and_refuses_conflicts():
