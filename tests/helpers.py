@@ -112,3 +112,24 @@ def tiny_hf_tokenizer(directory, chat_template=TEMPLATE) -> str:
     PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<unk>", **kwargs).save_pretrained(
         directory)
     return str(directory)
+
+
+def run_ranks(target, world: int, *args, timeout: float = 240.0) -> list[tuple]:
+    """Run ``target(rank, *args, results)`` in ``world`` spawned processes (a gloo or NCCL job of
+    tests/dist and tests/gpu); each worker puts one tuple whose first item is its rank on
+    ``results``. Returns those tuples in rank order; workers still running after a timeout are
+    terminated."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, *args, results)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return sorted((results.get(timeout=timeout) for _ in procs), key=lambda o: o[0])
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()

@@ -3,19 +3,17 @@ keys are the bridge's, the recipe's BF16 first/last layers keep BF16 linears, an
 in FP8 (emulated GEMMs) stays close to BF16. megatron-core's RoPE asks for a CUDA device at
 construction; the test points that one call at the CPU."""
 
-import socket
 
 import pytest
 import torch
+from megatron_jetrl.launch import free_port
 
 pytest.importorskip("megatron.core")
 
 
 @pytest.fixture
 def megatron_cpu(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)

@@ -3,13 +3,13 @@ GPTModel does (per-rank TP shards, the stage's layers, vocab padded for TP=2) an
 bridge's TP shards of the HF weights."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.model_fixtures import load_tool, save_tiny_hf
+from megatron_jetrl.launch import free_port
+from tests.helpers import run_ranks
 
 TP, PP = 2, 2
 
@@ -56,17 +56,7 @@ def test_checkpoint_loads_at_tp2_pp2(arch, tmp_path):
     convert = load_tool("convert_hf_to_megatron")
     assert convert(["--hf-dir", str(tmp_path / "hf"), "--out-dir", str(tmp_path / "mg")]) == 0
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path / "mg"), str(tmp_path / "hf"), results))
-             for r in range(TP * PP)]
-    for p in procs:
-        p.start()
-    outcomes = sorted(results.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    port = free_port()
+    outcomes = run_ranks(_worker, TP * PP, port, str(tmp_path / "mg"), str(tmp_path / "hf"))
     for rank, count, bad in outcomes:
         assert count > 0 and not bad, f"rank {rank}: {bad}"

@@ -4,10 +4,10 @@ the same latest(); a signal on one rank stops all ranks at the same step."""
 
 import os
 import signal
-import socket
 
 import torch
-import torch.multiprocessing as mp
+from megatron_jetrl.launch import free_port
+from tests.helpers import run_ranks
 
 
 def _worker(rank, world, port, run_dir, results):
@@ -60,19 +60,10 @@ def _worker(rank, world, port, run_dir, results):
 
 def test_checkpoint_protocol_and_preemption_across_processes(tmp_path):
     world = 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     stale = tmp_path / "checkpoints" / "step_00000007.tmp"
     stale.mkdir(parents=True)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, tmp_path, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = sorted((results.get(timeout=240) for _ in procs), key=lambda o: o[0])
-    for p in procs:
-        p.join(timeout=60)
+    out = run_ranks(_worker, world, world, port, tmp_path)
     for rank, got, error in out:
         assert error is None, f"rank {rank}: {error}"
         assert got["any"] == [True, False, True]

@@ -2,10 +2,10 @@
 process, values and gradients, with the padded vocab tail split across ranks."""
 
 import os
-import socket
 
 import torch
-import torch.multiprocessing as mp
+from megatron_jetrl.launch import free_port
+from tests.helpers import run_ranks
 
 TP, T, V_PADDED, V_REAL = 2, 11, 64, 45  # rank 1 holds columns 32..63, of which 32..44 are real
 
@@ -38,17 +38,8 @@ def _worker(rank, port, results):
 
 
 def test_tp2_logprobs_entropy_and_grads_equal_full_vocab():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, results)) for r in range(TP)]
-    for p in procs:
-        p.start()
-    out = sorted((results.get(timeout=120) for _ in procs), key=lambda o: o[0])
-    for p in procs:
-        p.join(timeout=30)
+    port = free_port()
+    out = run_ranks(_worker, TP, port, timeout=120)
     for rank, *_, err in out:
         assert err is None, f"rank {rank}: {err}"
 

@@ -3,11 +3,11 @@ exchange pieces with batch_isend_irecv, and every rank's engine tensors equal th
 simulation of the same plan (which tests/unit/test_sync.py checks against the FP8 export)."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from megatron_jetrl.launch import free_port
+from tests.helpers import run_ranks
 
 
 def _worker(rank, world, port, tp, pp, rollout_tp, results):
@@ -53,17 +53,8 @@ def _worker(rank, world, port, tp, pp, rollout_tp, results):
 
 @pytest.mark.parametrize("tp,pp,rollout_tp,world", [(2, 1, 1, 2), (1, 2, 2, 2), (2, 2, 1, 4), (2, 1, 4, 4)])
 def test_sync_across_processes_equals_simulation(tp, pp, rollout_tp, world):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, tp, pp, rollout_tp, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = sorted((results.get(timeout=240) for _ in procs), key=lambda o: o[0])
-    for p in procs:
-        p.join(timeout=60)
+    port = free_port()
+    out = run_ranks(_worker, world, world, port, tp, pp, rollout_tp)
     for rank, names_ok, bad, rounds, _sent, error in out:
         assert error is None, f"rank {rank}: {error}"
         assert names_ok and bad == [], f"rank {rank}: differing tensors {bad[:5]}"

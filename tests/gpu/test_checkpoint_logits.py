@@ -2,13 +2,13 @@
 gives the HF model's logits at TP=1 and TP=2 (BF16 tolerance), for every family."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.model_fixtures import FAMILIES, load_tool, save_tiny_hf
+from megatron_jetrl.launch import free_port
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.gpu
 SEQ, BATCH = 96, 2
@@ -58,18 +58,8 @@ def _megatron_worker(rank, world, port, hf_dir, ckpt, results):
 
 
 def _megatron_logits(hf_dir, ckpt, tp):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_megatron_worker, args=(r, tp, port, str(hf_dir), str(ckpt), results))
-             for r in range(tp)]
-    for p in procs:
-        p.start()
-    outcomes = sorted((results.get(timeout=300) for _ in procs), key=lambda o: o[0])
-    for p in procs:
-        p.join(timeout=60)
+    port = free_port()
+    outcomes = run_ranks(_megatron_worker, tp, tp, port, str(hf_dir), str(ckpt), timeout=300)
     for rank, _, error in outcomes:
         assert error is None, f"rank {rank} failed:\n{error}"
     return outcomes[0][1]
