@@ -13,7 +13,8 @@
    ``metrics.jsonl`` in ``DIR/<run>/``. Plots: ``benchmarks/mismatch_plots.py DIR`` (matplotlib).
 
 Per step every run records reward, response length, entropy and the mismatch metrics
-(``rollout_corr/k3_kl``, ``training/rollout_probs_diff_mean``, ``token_mult_prob_error``).
+(``rollout_corr/k3_kl``, ``training/rollout_probs_diff_mean``, ``token_mult_prob_error``);
+``rl_summary.summarise`` reads them.
 """
 
 from __future__ import annotations
@@ -28,15 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from rl_summary import summarise  # benchmarks/, the script's own directory
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDY_CONFIG = ROOT / "benchmarks" / "configs" / "mismatch_study.yaml"
 SPEED_CONFIG = ROOT / "benchmarks" / "configs" / "qwen3_8b_dims.yaml"
 MODES = ("bf16", "fp16", "fp8", "bf16-train+fp8-rollout")
 CORRECTIONS = ("none", "token_tis")
-MISMATCH = ("rollout_corr/k3_kl", "training/rollout_probs_diff_mean", "token_mult_prob_error")
 PHASES = ("generate", "logprobs", "update", "sync", "step")
-LAST = 10
-"""Final reward = the mean of the last LAST steps' train reward."""
 
 
 @dataclass(frozen=True)
@@ -66,49 +66,23 @@ def speed_runs(out: Path) -> list[Run]:
             for mode in ("fp8", "bf16")]
 
 
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def summarise(rows: Sequence[dict]) -> dict:
-    """One run's numbers: final and first train reward, last eval, mean mismatch over all steps,
-    mean response length and entropy, and seconds per phase (steps 2.., step 1 warms up)."""
-    steps = [r for r in rows if "timing/step_s" in r]
-    warm = steps[1:] or steps
-
-    def mean(key, rs):
-        vals = [r[key] for r in rs if r.get(key) is not None]
-        return sum(vals) / len(vals) if vals else None
-
-    evals = [(r["step"], r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
-    return {
-        "steps": len(steps),
-        "reward_first": mean("reward/mean", steps[:LAST]),
-        "reward_final": mean("reward/mean", steps[-LAST:]),
-        "eval": evals,
-        "eval_final": evals[-1][1] if evals else None,
-        "mismatch": {k: mean(k, steps) for k in MISMATCH},
-        "response_length": mean("response/length_mean", steps),
-        "entropy": mean("actor/entropy", steps),
-        "seconds": {p: mean(f"timing/{p}_s", warm) for p in PHASES},
-        "tokens_per_s_per_gpu": mean("perf/tokens_per_s_per_gpu", warm),
-    }
-
-
 def tables(results: dict[str, dict]) -> str:
-    """The study's tables as text (markdown), from ``summarise`` results keyed by run name."""
+    """The study's tables as text (markdown), from ``rl_summary.summarise`` results keyed by run
+    name: reward (first and last 10 steps, last eval), mean mismatch, length and entropy; seconds
+    per phase; and the FP8 speed-up of the Qwen3-8B-shape runs."""
     def f(v, fmt):
-        return "—" if v is None else format(v, fmt)
+        return "—" if v is None or v != v else format(v, fmt)
 
     lines = ["| run | reward, first 10 | reward, last 10 | eval, last | k3 KL | probs diff | "
              "token_mult_prob_error | length | entropy |",
              "|---|---|---|---|---|---|---|---|---|"]
     study = {k: v for k, v in results.items() if not k.startswith("speed_")}
     for name, r in study.items():
-        m = r["mismatch"]
-        lines.append(f"| {name} | {f(r['reward_first'], '.3f')} | {f(r['reward_final'], '.3f')} | "
-                     f"{f(r['eval_final'], '.3f')} | {f(m[MISMATCH[0]], '.2e')} | {f(m[MISMATCH[1]], '.2e')} | "
-                     f"{f(m[MISMATCH[2]], '.4f')} | {f(r['response_length'], '.1f')} | {f(r['entropy'], '.3f')} |")
+        eval_last = r["eval"][-1][1] if r["eval"] else None
+        lines.append(f"| {name} | {f(r['reward_first10'], '.3f')} | {f(r['reward_last10'], '.3f')} | "
+                     f"{f(eval_last, '.3f')} | {f(r['k3_kl'], '.2e')} | {f(r['probs_diff'], '.2e')} | "
+                     f"{f(r['token_mult_prob_error'], '.4f')} | {f(r['response_length'], '.1f')} | "
+                     f"{f(r['entropy'], '.3f')} |")
     lines += ["", "| run | " + " | ".join(f"{p} s" for p in PHASES) + " | tokens/s/GPU |",
               "|---|" + "---|" * (len(PHASES) + 1)]
     for name, r in results.items():
@@ -198,7 +172,7 @@ def main() -> int:
     for run in [*study_runs(out, Path("-"), args.modes), *speed_runs(out)]:
         metrics = out / run.name / "metrics.jsonl"
         if metrics.is_file():
-            results[run.name] = summarise(read_metrics(metrics))
+            results[run.name] = summarise(metrics)
         elif not args.summary_only or run.name in codes:
             print(f"[study] {run.name}: no metrics (exit {codes.get(run.name)}; {out / run.name / 'train.log'})")
     (out / "study.json").write_text(json.dumps({"results": results, "exit_codes": codes}, indent=1))

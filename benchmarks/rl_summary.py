@@ -4,7 +4,8 @@
 
 Per run: train reward (means of the first and last 10 steps), the held-out eval curve, mean
 rollout-vs-trainer k3 KL and token_mult_prob_error, and the mean seconds per phase of a step with
-tokens/s/GPU (steps 2.. : step 1 includes CUDA-graph capture and allocator warm-up).
+tokens/s/GPU (steps 2.. : step 1 includes CUDA-graph capture and allocator warm-up). ``summarise``
+is also what scale_summary.py and mismatch_study.py read runs with.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ PHASES = ("generate", "advantages", "logprobs", "update", "sync", "step")
 
 
 def summarise(path: Path) -> dict:
+    """One run's numbers from its ``metrics.jsonl`` (shared by scale_summary.py and
+    mismatch_study.py): train reward (first and last 10 steps), eval curve, mean mismatch,
+    response length and entropy, mean seconds per phase and tokens/s/GPU over steps 2.., tokens per
+    step, and the largest value of every ``memory/*`` metric. Missing metrics are NaN."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    train = [r for r in rows if "reward/mean" in r]
+    train = [r for r in rows if "timing/step_s" in r]
     evals = [(r["step"], r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
     warm = train[1:] or train
 
@@ -26,6 +31,7 @@ def summarise(path: Path) -> dict:
         vals = [r[key] for r in rs if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else float("nan")
 
+    memory_keys = sorted({k for r in train for k in r if k.startswith("memory/")})
     return {
         "run": path.name.replace(".metrics.jsonl", ""),
         "steps": len(train),
@@ -33,10 +39,16 @@ def summarise(path: Path) -> dict:
         "reward_last10": mean("reward/mean", train[-10:]),
         "eval": evals,
         "k3_kl": mean("rollout_corr/k3_kl", train),
+        "probs_diff": mean("training/rollout_probs_diff_mean", train),
         "token_mult_prob_error": mean("token_mult_prob_error", train),
         "seconds": {p: mean(f"timing/{p}_s", warm) for p in PHASES},
         "tokens_per_s_per_gpu": mean("perf/tokens_per_s_per_gpu", warm),
+        "tokens_per_step": mean("perf/tokens_per_step", warm),
         "response_length": mean("response/length_mean", train),
+        "entropy": mean("actor/entropy", train),
+        "memory_gib": {k[len("memory/"):-len("_gib")]: max(r[k] for r in train if r.get(k) is not None)
+                       for k in memory_keys},
+        "loss_finite": all(r.get("actor/loss") is not None for r in train),
     }
 
 

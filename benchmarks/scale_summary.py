@@ -17,43 +17,29 @@ from pathlib import Path
 
 from megatron_jetrl.job import load_job, resolve
 
+import rl_summary  # noqa: E402  (benchmarks/, the script's own directory)
+
 PHASES = ("generate", "logprobs", "update", "sync", "step")
+MEASURED = ("generate_peak_allocated", "update_peak_allocated", "peak_reserved", "device_used")
 
 
 def summarise(run_dir: Path, world_size: int) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "timing/step_s" in r]
-    warm = steps[1:] or steps
-
-    def mean(key):
-        vals = [r[key] for r in warm if r.get(key) is not None]
-        return sum(vals) / len(vals) if vals else float("nan")
-
-    def peak(key):
-        vals = [r[key] for r in steps if r.get(key) is not None]
-        return max(vals) if vals else float("nan")
-
+    """rl_summary's numbers of the run, with its layout and the memory plan of its config."""
+    run = rl_summary.summarise(run_dir / "metrics.jsonl")
     job = load_job(run_dir / "config.yaml")
     resolved = resolve(job, world_size)
-    capacity = None
     plan = resolved.memory
     par = job.actor.parallel
+    nan = float("nan")
     return {
+        **run,
         "run": run_dir.name,
         "layout": f"TP{par.tp} PP{par.pp} DP{resolved.dp}" + (" SP" if par.sequence_parallel else ""),
         "layers": resolved.bridge.dims.num_layers,
         "params_b": plan.total_params / 1e9,
-        "steps": len(steps),
-        "tokens_per_step": mean("perf/tokens_per_step"),
-        "seconds": {p: mean(f"timing/{p}_s") for p in PHASES},
-        "tokens_per_s_per_gpu": mean("perf/tokens_per_s_per_gpu"),
-        "measured_gib": {"generate_peak_allocated": peak("memory/generate_peak_allocated_gib"),
-                         "update_peak_allocated": peak("memory/update_peak_allocated_gib"),
-                         "peak_reserved": peak("memory/peak_reserved_gib"),
-                         "device_used": peak("memory/device_used_gib")},
-        "plan_gib": {"trainer": plan.trainer_total / 2**30, "rollout": plan.rollout_total(capacity) / 2**30,
-                     "peak": plan.peak(capacity) / 2**30},
-        "loss_finite": all(r.get("actor/loss") is not None for r in steps),
+        "measured_gib": {k: run["memory_gib"].get(k, nan) for k in MEASURED},
+        "plan_gib": {"trainer": plan.trainer_total / 2**30, "rollout": plan.rollout_total() / 2**30,
+                     "peak": plan.peak() / 2**30},
     }
 
 

@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module(name):
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import each other, as run from there
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up there
@@ -63,20 +65,29 @@ def _rows(n, reward, k3, seconds):
     return rows
 
 
+def _write(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
 def test_summary_and_tables(tmp_path):
     secs = {"generate": 2.0, "logprobs": 1.0, "update": 3.0, "sync": 0.5, "step": 6.5}
     rows = _rows(20, lambda s: s / 100, 1e-3, secs)
     rows[0]["timing/step_s"] = 100.0  # step 1 (warm-up) is left out of the timing means
-    s = study.summarise(rows)
+    rows[3]["memory/update_peak_allocated_gib"] = 7.0
+    rows[5]["memory/update_peak_allocated_gib"] = 9.0
+    s = study.summarise(_write(tmp_path / "fp8__none.metrics.jsonl", rows))
     assert s["steps"] == 20
-    assert s["reward_first"] == pytest.approx(sum(range(1, 11)) / 10 / 100)
-    assert s["reward_final"] == pytest.approx(sum(range(11, 21)) / 10 / 100)
-    assert s["eval"] == [(10, 0.05), (20, 0.1)] and s["eval_final"] == 0.1
-    assert s["mismatch"]["rollout_corr/k3_kl"] == pytest.approx(1e-3)
+    assert s["reward_first10"] == pytest.approx(sum(range(1, 11)) / 10 / 100)
+    assert s["reward_last10"] == pytest.approx(sum(range(11, 21)) / 10 / 100)
+    assert s["eval"] == [(10, 0.05), (20, 0.1)]
+    assert s["k3_kl"] == pytest.approx(1e-3) and s["probs_diff"] == pytest.approx(1e-2)
     assert s["seconds"]["step"] == pytest.approx(6.5)
+    assert s["memory_gib"] == {"update_peak_allocated": 9.0}
     fast = {"generate": 1.0, "logprobs": 0.5, "update": 1.5, "sync": 0.5, "step": 3.5}
-    results = {"fp8__none": s, "speed_fp8": study.summarise(_rows(4, lambda s: 0, 0, fast)),
-               "speed_bf16": study.summarise(_rows(4, lambda s: 0, 0, secs))}
+    results = {"fp8__none": s,
+               "speed_fp8": study.summarise(_write(tmp_path / "a.jsonl", _rows(4, lambda s: 0, 0, fast))),
+               "speed_bf16": study.summarise(_write(tmp_path / "b.jsonl", _rows(4, lambda s: 0, 0, secs)))}
     text = study.tables(results)
     assert "| fp8__none | 0.055 | 0.155 | 0.100 | 1.00e-03 | 1.00e-02 | 1.0010 | 100.0 | 0.500 |" in text
     assert "| speed-up | 2.00× | 2.00× | 1.00× | 1.86× |" in text
