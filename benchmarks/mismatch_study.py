@@ -1,6 +1,6 @@
 """The mismatch and speed study (issue 8), one command on the GPU host:
 
-    python benchmarks/mismatch_study.py --out DIR [--steps 60] [--parallel 4] [--no-speed]
+    python benchmarks/mismatch_study.py --out DIR [--steps 60] [--parallel 8] [--no-speed]
     python benchmarks/mismatch_study.py --out DIR --summary-only      # tables from finished runs
 
 1. Warm-up: the study config's supervised warm-up (``sft``), once, in BF16; its checkpoint is the
@@ -61,8 +61,9 @@ def study_runs(out: Path, checkpoint: Path, modes: Sequence[str] = MODES,
     return runs
 
 
-def speed_runs(out: Path) -> list[Run]:
-    return [Run(f"speed_{mode}", SPEED_CONFIG, (f"run.dir={out / f'speed_{mode}'}", f"precision.mode={mode}"))
+def speed_runs(out: Path, steps: int | None = None) -> list[Run]:
+    extra = () if steps is None else (f"run.steps={steps}",)
+    return [Run(f"speed_{mode}", SPEED_CONFIG, (f"run.dir={out / f'speed_{mode}'}", f"precision.mode={mode}", *extra))
             for mode in ("fp8", "bf16")]
 
 
@@ -113,6 +114,8 @@ def run_all(runs: Sequence[Run], out: Path, parallel: int, timeout_s: float) -> 
     ``out/<name>/train.log``. Returns exit status per run (124: past ``timeout_s``)."""
     pending, active, codes = list(runs), {}, {}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Runs sharing the host's cores: each takes its share of CPU threads, not all of them.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, min(parallel, len(runs))))))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # each run is a job of its own
     while pending or active:
@@ -133,17 +136,21 @@ def run_all(runs: Sequence[Run], out: Path, parallel: int, timeout_s: float) -> 
                 codes[name] = code
                 del active[name]
                 print(f"[study] {name} exited {code} after {time.monotonic() - start:.0f} s", flush=True)
+                if code != 0:  # the reason, where the tables will show a gap
+                    tail = (out / name / "train.log").read_text(errors="replace").splitlines()[-12:]
+                    print("\n".join(f"[study]   {line}" for line in tail), flush=True)
         time.sleep(1)
     return codes
 
 
-def warmup_checkpoint(out: Path, timeout_s: float) -> Path:
+def warmup_checkpoint(out: Path, timeout_s: float, steps: int | None = None) -> Path:
     """The BF16 warm-up's actor checkpoint (run once; reused when it exists)."""
     root = out / "warmup"
     latest = root / "sft" / "checkpoints" / "latest"
     if not latest.is_file():
-        codes = run_all([Run("warmup", STUDY_CONFIG, (f"run.dir={root}", "precision.mode=bf16", "run.steps=1"))],
-                        out, 1, timeout_s)
+        overrides = (f"run.dir={root}", "precision.mode=bf16", "run.steps=1",
+                     *(() if steps is None else (f"sft.steps={steps}",)))
+        codes = run_all([Run("warmup", STUDY_CONFIG, overrides)], out, 1, timeout_s)
         if codes["warmup"] != 0 or not latest.is_file():
             sys.exit(f"the warm-up failed (exit {codes['warmup']}); see {root / 'train.log'}")
     return root / "sft" / "checkpoints" / latest.read_text().strip() / "actor"
@@ -153,7 +160,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
-    ap.add_argument("--parallel", type=int, default=4, help="runs sharing the GPU at a time (default 4)")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps (default: the config's)")
+    ap.add_argument("--speed-steps", type=int, default=None, help="steps of each speed run (default: the config's)")
+    ap.add_argument("--parallel", type=int, default=8,
+                    help="runs sharing the GPU at a time (default 8: all of them, so that every run sees the "
+                         "same contention and their step times compare)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--no-speed", action="store_true", help="skip the Qwen3-8B-shape speed runs")
     ap.add_argument("--summary-only", action="store_true", help="only the tables of the runs in --out")
@@ -163,11 +174,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     codes: dict[str, int] = {}
     if not args.summary_only:
-        checkpoint = warmup_checkpoint(out, args.timeout)
+        checkpoint = warmup_checkpoint(out, args.timeout, args.warmup_steps)
         codes.update(run_all(study_runs(out, checkpoint, args.modes, steps=args.steps), out, args.parallel,
                              args.timeout))
         if not args.no_speed:
-            codes.update(run_all(speed_runs(out), out, 1, args.timeout))
+            codes.update(run_all(speed_runs(out, args.speed_steps), out, 1, args.timeout))
     results = {}
     for run in [*study_runs(out, Path("-"), args.modes), *speed_runs(out)]:
         metrics = out / run.name / "metrics.jsonl"

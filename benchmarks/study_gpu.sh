@@ -2,7 +2,7 @@
 # The mismatch and speed study (issue 8) as one call on a GPU host (one GPU, H100 or H200):
 # build, then benchmarks/mismatch_study.py, then the tables last. The runs' metrics, logs and
 # study.json come back as $OUT/study.tgz; plots are drawn from them anywhere matplotlib is:
-#   device tool:  carry [".whl"], command: bash benchmarks/study_gpu.sh [--steps 40] [--parallel 4]
+#   device tool:  carry [".whl"], command: bash benchmarks/study_gpu.sh [--steps 40] [--parallel 8]
 #   then here:    tar xzf study.tgz && python benchmarks/mismatch_plots.py study --out docs/figures
 # Arguments go to mismatch_study.py. A device call is limited to 10 minutes; STUDY_TIMEOUT (s,
 # default 240) bounds each run so that the call ends with whatever finished.
@@ -13,11 +13,14 @@ out=${OUT:-study_out}
 dir=/tmp/study
 rm -rf "$dir"
 t0=$(date +%s)
+nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader,nounits -lms 2000 >"$out/gpu_use.csv" &
+smi=$!
 python3 benchmarks/mismatch_study.py --out "$dir" --timeout "${STUDY_TIMEOUT:-240}" "$@" >"$out/study.log" 2>&1
 rc=$?
-find "$dir" -name "checkpoints" -prune -o -name "sft" -prune -o \( -name "*.jsonl" -o -name "*.log" -o -name "*.json" \) \
+kill $smi 2>/dev/null
+find "$dir" -name "checkpoints" -prune -o \( -name "*.jsonl" -o -name "*.log" -o -name "*.json" \) \
   -print | tar czf "$out/study.tgz" --transform "s|^${dir#/}|study|" -T - 2>/dev/null
 grep "^\[study\]" "$out/study.log"
-echo "study rc=$rc ($(( $(date +%s) - t0 )) s)"
+echo "study rc=$rc ($(( $(date +%s) - t0 )) s); GPU memory used, max $(sort -t, -k1 -n "$out/gpu_use.csv" | tail -1 | cut -d, -f1) MiB"
 sed -n '/^| run/,$p' "$out/study.log"
 exit $rc

@@ -126,7 +126,10 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     torch.cuda.set_device(placement.local_rank)
     capacity = torch.cuda.mem_get_info()[1]
     problems = check_memory(resolved, capacity, skip=args.skip_memory_check)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", placement.local_rank))
+    # No device_id: NCCL communicators are then made on each group's first collective. With
+    # device_id every one of megatron's ~20 groups gets one at once, 6.5 GiB per GPU for a world
+    # of 1 on an H100 (benchmarks.md, "NCCL communicators"), most of them never used.
+    dist.init_process_group("nccl")
     from megatron_jetrl.trainer import Trainer
 
     run_dir = Path(job.run.dir)
@@ -137,7 +140,7 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
         print("\n".join(resolved.describe(job, capacity)), flush=True)
         for line in problems:
             print(f"WARNING: {line}", flush=True)
-    dist.barrier()
+    dist.barrier(device_ids=[placement.local_rank])
     trainer = Trainer(job, resolved, data, run_dir=run_dir)
     try:
         return trainer.run(preemption)

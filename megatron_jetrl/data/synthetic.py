@@ -8,17 +8,20 @@ Text layout (the prompt ends where the response begins; the trainer appends ``<e
 
     countdown    prompt "3 5 7>22="    solution "3*5+7"    answer {"numbers": [3, 5, 7], "target": 22}
     arithmetic   prompt "12*34="       solution "408"      answer 408
-    runsum       prompt "07 45 12>"    solution "07 52 64" answer [7, 45, 12]
+    chain        prompt "07>"          solution "84 01 58" answer {"seed": 7, "length": 3}
 
 Scoring is strict and never raises on model output: the whole response (surrounding whitespace
 aside) must be the answer, so trailing text after a correct answer scores 0. Countdown responses
 are parsed by a small recursive-descent parser over exact fractions, never ``eval``.
 
-``runsum`` is the long-response task (issue 8's mismatch study): the running sums mod 100 of
-``length`` two-digit numbers, 3 x length - 1 characters of response. Each entry depends on the
-previous one and on the matching prompt number, so one early mistake spoils the rest, as in a long
-chain of reasoning; it scores the fraction of entries correct before the first wrong one (partial
-credit keeps the reward dense at 100+ tokens), 1.0 only for the whole answer.
+``chain`` is the long-response task (issue 8's mismatch study): from a two-digit seed, ``length``
+iterates of the fixed map x -> (21 x + 37) mod 100, 3 x length - 1 characters of response. Each
+entry follows from the previous one, so one early mistake spoils the rest, as in a long chain of
+reasoning; it scores the fraction of entries correct before the first wrong one (partial credit
+keeps the reward dense at 100+ tokens), 1.0 only for the whole answer. A small model learns the map
+in a short warm-up (the study's starting point); sampling at temperature 1 still errs somewhere in
+a long answer, which RL then trains away. (A running-sum task, where each entry also needs the
+matching prompt number, stayed at chance after the 19 M-parameter study model's 300-step warm-up.)
 """
 
 from __future__ import annotations
@@ -269,29 +272,33 @@ def _arithmetic_score(text: str, answer: int) -> float:
     return 1.0 if text == str(int(answer)) else 0.0
 
 
-# ---------------------------------------------------------------- runsum
+# ---------------------------------------------------------------- chain
+
+CHAIN_MULTIPLIER, CHAIN_INCREMENT = 21, 37
+"""x -> (21 x + 37) mod 100 has full period (Hull–Dobell): every seed walks all 100 values."""
+CHAIN_MAX_LENGTH = 64
 
 
-def _runsum_options(options: Mapping[str, object]) -> dict:
-    return {"length": _int_option(options, "length", 2, RUNSUM_MAX_LENGTH)}
+def _chain_options(options: Mapping[str, object]) -> dict:
+    return {"length": _int_option(options, "length", 2, CHAIN_MAX_LENGTH)}
 
 
-def _runsum_generate(rng: random.Random, options: Mapping[str, object]) -> dict:
-    numbers = [rng.randint(0, 99) for _ in range(options["length"])]
-    return {"prompt": " ".join(f"{n:02d}" for n in numbers) + ">", "answer": numbers,
-            "solution": " ".join(f"{s:02d}" for s in _running_sums(numbers))}
+def _chain_generate(rng: random.Random, options: Mapping[str, object]) -> dict:
+    seed = rng.randint(0, 99)
+    return {"prompt": f"{seed:02d}>", "answer": {"seed": seed, "length": options["length"]},
+            "solution": " ".join(f"{x:02d}" for x in _chain(seed, options["length"]))}
 
 
-def _running_sums(numbers: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for n in numbers:
-        total = (total + n) % 100
-        out.append(total)
+def _chain(seed: int, length: int) -> list[int]:
+    out, x = [], seed
+    for _ in range(length):
+        x = (CHAIN_MULTIPLIER * x + CHAIN_INCREMENT) % 100
+        out.append(x)
     return out
 
 
-def _runsum_score(text: str, answer: Sequence[int]) -> float:
-    expected = [f"{s:02d}" for s in _running_sums([int(n) for n in answer])]
+def _chain_score(text: str, answer: Mapping[str, int]) -> float:
+    expected = [f"{x:02d}" for x in _chain(int(answer["seed"]), int(answer["length"]))]
     got = text.split(" ")
     if len(got) > len(expected):
         return 0.0
@@ -301,9 +308,6 @@ def _runsum_score(text: str, answer: Sequence[int]) -> float:
             break
         correct += 1
     return correct / len(expected)
-
-
-RUNSUM_MAX_LENGTH = 64
 
 
 # ---------------------------------------------------------------- registry
@@ -321,7 +325,7 @@ class SyntheticTask:
     make_record: Callable[[random.Random, Mapping[str, object]], dict]
     verify: Callable[[str, object], float]
     """(stripped response of at most ``max_response_chars``, answer) -> a score in [0, 1] (1.0 or
-    0.0 but for runsum's partial credit)."""
+    0.0 but for chain's partial credit)."""
     max_response_chars: int = MAX_RESPONSE_CHARS
     """Longer responses score 0 unread."""
 
@@ -366,12 +370,12 @@ TASKS: dict[str, SyntheticTask] = {
         make_record=_arithmetic_generate,
         verify=_arithmetic_score,
     ),
-    "runsum": SyntheticTask(
-        name="runsum",
+    "chain": SyntheticTask(
+        name="chain",
         defaults={"length": 32},
-        check_options=_runsum_options,
-        make_record=_runsum_generate,
-        verify=_runsum_score,
-        max_response_chars=3 * RUNSUM_MAX_LENGTH,
+        check_options=_chain_options,
+        make_record=_chain_generate,
+        verify=_chain_score,
+        max_response_chars=3 * CHAIN_MAX_LENGTH,
     ),
 }

@@ -40,9 +40,9 @@ def test_every_run_is_a_valid_job(tmp_path):
         assert job.run.dir == str(tmp_path / run.name) and job.run.steps == 5 and job.sft.steps == 0
         assert job.model.checkpoint == str(tmp_path / "warmup" / "actor")
         seen.add((job.precision.mode.value, job.algo.correction.mode))
-        assert job.rollout.sampling.max_new_tokens >= 3 * 40  # runsum's 119-character answers fit
+        assert job.rollout.sampling.max_new_tokens >= 3 * 40  # chain's 119-character answers fit
     assert seen == {(m, c) for m in study.MODES for c in study.CORRECTIONS}
-    load_data(job, resolved)  # the runsum data and its tokenizer load
+    load_data(job, resolved)  # the chain data and its tokenizer load
 
 
 def test_speed_runs_fit_an_h100():

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from megatron_jetrl.config import ConfigError
-from megatron_jetrl.data.synthetic import MAX_RESPONSE_CHARS, TASKS, CharTokenizer
+from megatron_jetrl.data.synthetic import CHAIN_INCREMENT, CHAIN_MULTIPLIER, MAX_RESPONSE_CHARS, TASKS, CharTokenizer
 
 CD = TASKS["countdown"]
 AR = TASKS["arithmetic"]
@@ -30,8 +30,8 @@ def test_generate_is_deterministic_by_seed(name):
     ("countdown", {"num_numbers": 2, "min_number": 0, "max_number": 3, "ops": "-"}),
     ("arithmetic", {}),
     ("arithmetic", {"digits": 3, "ops": "+-*"}),
-    ("runsum", {}),
-    ("runsum", {"length": 64}),
+    ("chain", {}),
+    ("chain", {"length": 64}),
 ])
 def test_solutions_score_one_after_json_round_trip(name, options):
     task = TASKS[name]
@@ -147,28 +147,44 @@ def test_random_responses_never_raise(name):
         assert task.score(response, rec["answer"]) in (0.0, 1.0)
 
 
-RS = TASKS["runsum"]
+CH = TASKS["chain"]
 
 
-def test_runsum_record_layout_and_partial_credit():
-    rec = RS.generate(1, seed=3, length=4)[0]
-    nums = rec["answer"]
-    assert rec["prompt"] == " ".join(f"{n:02d}" for n in nums) + ">"
-    sums = [sum(nums[: i + 1]) % 100 for i in range(4)]
-    assert rec["solution"] == " ".join(f"{s:02d}" for s in sums)
-    assert RS.score(rec["solution"], nums) == 1.0
+def test_chain_record_layout_and_partial_credit():
+    rec = CH.generate(1, seed=3, length=4)[0]
+    seed = rec["answer"]["seed"]
+    assert rec["prompt"] == f"{seed:02d}>" and rec["answer"] == {"seed": seed, "length": 4}
+    xs, x = [], seed
+    for _ in range(4):
+        x = (21 * x + 37) % 100
+        xs.append(x)
+    assert rec["solution"] == " ".join(f"{v:02d}" for v in xs)
+    assert CH.score(rec["solution"], rec["answer"]) == 1.0
     wrong_third = rec["solution"].split(" ")
-    wrong_third[2] = f"{(sums[2] + 1) % 100:02d}"
-    assert RS.score(" ".join(wrong_third), nums) == 0.5  # credit stops at the first wrong entry
-    assert RS.score(" ".join(rec["solution"].split(" ")[:3]), nums) == 0.75  # a cut-off answer
-    assert RS.score(rec["solution"] + " 00", nums) == 0.0  # more entries than asked for
-    assert RS.score(rec["solution"].replace(" ", ","), nums) == 0.0
+    wrong_third[2] = f"{(xs[2] + 1) % 100:02d}"
+    assert CH.score(" ".join(wrong_third), rec["answer"]) == 0.5  # credit stops at the first wrong entry
+    assert CH.score(" ".join(rec["solution"].split(" ")[:3]), rec["answer"]) == 0.75  # a cut-off answer
+    assert CH.score(rec["solution"] + " 00", rec["answer"]) == 0.0  # more entries than asked for
+    assert CH.score(rec["solution"].replace(" ", ","), rec["answer"]) == 0.0
+    assert CH.score(rec["solution"], json.loads(json.dumps(rec["answer"]))) == 1.0  # answers stored as JSON
 
 
-def test_runsum_long_responses_are_allowed_up_to_its_own_cap():
-    rec = RS.generate(1, seed=0, length=64)[0]
+def test_chain_map_has_full_period():
+    # Every seed walks all 100 values: no seed falls into a short cycle that is easier to learn,
+    # and no answer repeats an entry.
+    x, orbit = 0, set()
+    for _ in range(100):
+        x = (CHAIN_MULTIPLIER * x + CHAIN_INCREMENT) % 100
+        orbit.add(x)
+    assert orbit == set(range(100))
+    for rec in CH.generate(20, seed=1, length=64):
+        assert len(set(rec["solution"].split(" "))) == 64
+
+
+def test_chain_long_responses_are_allowed_up_to_its_own_cap():
+    rec = CH.generate(1, seed=0, length=64)[0]
     assert len(rec["solution"]) == 3 * 64 - 1 > MAX_RESPONSE_CHARS
-    assert RS.score(rec["solution"], rec["answer"]) == 1.0
-    assert RS.score("1" * (RS.max_response_chars + 1), rec["answer"]) == 0.0
+    assert CH.score(rec["solution"], rec["answer"]) == 1.0
+    assert CH.score("1" * (CH.max_response_chars + 1), rec["answer"]) == 0.0
     with pytest.raises(ConfigError, match="length"):
-        RS.generate(1, seed=0, length=65)
+        CH.generate(1, seed=0, length=65)
