@@ -1,7 +1,8 @@
 """The mismatch and speed study (issue 8), one command on the GPU host:
 
-    python benchmarks/mismatch_study.py --out DIR [--steps 60] [--parallel 8] [--no-speed]
-    python benchmarks/mismatch_study.py --out DIR --summary-only      # tables from finished runs
+    python benchmarks/mismatch_study.py --out DIR [--seed N] [--steps N] [--parallel 8] [--no-speed]
+                                        [--budget SECONDS]
+    python benchmarks/mismatch_study.py --summary-only --out DIR [--out DIR2 ...]   # tables (mean of seeds)
 
 1. Warm-up: the study config's supervised warm-up (``sft``), once, in BF16; its checkpoint is the
    starting policy of every run, so all modes start from the same weights.
@@ -47,8 +48,10 @@ class Run:
 
 
 def study_runs(out: Path, checkpoint: Path, modes: Sequence[str] = MODES,
-               corrections: Sequence[str] = CORRECTIONS, steps: int | None = None) -> list[Run]:
-    """Every (mode, correction) run, from the warm-up's ``checkpoint``."""
+               corrections: Sequence[str] = CORRECTIONS, steps: int | None = None,
+               seed: int | None = None) -> list[Run]:
+    """Every (mode, correction) run, from the warm-up's ``checkpoint``; ``seed`` (``run.seed``)
+    changes the RL sampling, not the prompts (``data.seed``) or the starting weights."""
     runs = []
     for mode in modes:
         for corr in corrections:
@@ -57,6 +60,8 @@ def study_runs(out: Path, checkpoint: Path, modes: Sequence[str] = MODES,
                          f"model.checkpoint={checkpoint}", "sft.steps=0"]
             if steps is not None:
                 overrides.append(f"run.steps={steps}")
+            if seed is not None:
+                overrides.append(f"run.seed={seed}")
             runs.append(Run(name, STUDY_CONFIG, tuple(overrides)))
     return runs
 
@@ -103,15 +108,46 @@ def tables(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def mean_results(per_dir: Sequence[dict[str, dict]]) -> dict[str, dict]:
+    """The mean over several studies (seeds) of each run's numbers that ``tables`` prints: a run
+    missing from a study is left out of that mean; ``eval`` becomes one point, the mean last eval."""
+    out = {}
+    for name in dict.fromkeys(n for results in per_dir for n in results):
+        rs = [results[name] for results in per_dir if name in results]
+
+        def mean(values):
+            values = [v for v in values if v is not None and v == v]
+            return sum(values) / len(values) if values else float("nan")
+
+        merged = {k: mean([r[k] for r in rs]) for k in ("reward_first10", "reward_last10", "k3_kl", "probs_diff",
+                                                        "token_mult_prob_error", "response_length", "entropy",
+                                                        "tokens_per_s_per_gpu")}
+        merged["seconds"] = {p: mean([r["seconds"][p] for r in rs]) for p in PHASES}
+        lasts = [r["eval"][-1] for r in rs if r["eval"]]
+        merged["eval"] = [(lasts[0][0], mean([e[1] for e in lasts]))] if lasts else []
+        merged["seeds"] = len(rs)
+        out[name] = merged
+    return out
+
+
+def summaries(out: Path, modes: Sequence[str] = MODES) -> dict[str, dict]:
+    """``rl_summary.summarise`` of every study and speed run with metrics under ``out``."""
+    names = [r.name for r in (*study_runs(out, Path("-"), modes), *speed_runs(out))]
+    return {n: summarise(out / n / "metrics.jsonl") for n in names if (out / n / "metrics.jsonl").is_file()}
+
+
 # -- running ------------------------------------------------------------------------------------
 
 def _command(run: Run) -> list[str]:
     return [sys.executable, "-m", "megatron_jetrl.cli", "train", str(run.config), *run.overrides]
 
 
-def run_all(runs: Sequence[Run], out: Path, parallel: int, timeout_s: float) -> dict[str, int]:
+def run_all(runs: Sequence[Run], out: Path, parallel: int, timeout_s: float,
+            deadline: float = float("inf")) -> dict[str, int | None]:
     """Start ``runs`` ``parallel`` at a time (one-process jobs sharing the GPU); each writes
-    ``out/<name>/train.log``. Returns exit status per run (124: past ``timeout_s``)."""
+    ``out/<name>/train.log``. Returns exit status per run: 124 for one killed past ``timeout_s``
+    or the ``deadline`` (``time.monotonic()``; its metrics so far stay), and None for one not
+    started before the deadline."""
     pending, active, codes = list(runs), {}, {}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Runs sharing the host's cores: each takes its share of CPU threads, not all of them.
@@ -119,6 +155,11 @@ def run_all(runs: Sequence[Run], out: Path, parallel: int, timeout_s: float) -> 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)  # each run is a job of its own
     while pending or active:
+        if pending and time.monotonic() >= deadline:
+            for run in pending:
+                codes[run.name] = None
+                print(f"[study] {run.name} not started: the study's --budget ran out", flush=True)
+            pending = []
         while pending and len(active) < parallel:
             run = pending.pop(0)
             (out / run.name).mkdir(parents=True, exist_ok=True)
@@ -128,7 +169,7 @@ def run_all(runs: Sequence[Run], out: Path, parallel: int, timeout_s: float) -> 
             print(f"[study] started {run.name}", flush=True)
         for name, (proc, log, start) in list(active.items()):
             code = proc.poll()
-            if code is None and time.monotonic() - start > timeout_s:
+            if code is None and (time.monotonic() - start > timeout_s or time.monotonic() >= deadline):
                 proc.kill()
                 code = 124
             if code is not None:
@@ -143,23 +184,26 @@ def run_all(runs: Sequence[Run], out: Path, parallel: int, timeout_s: float) -> 
     return codes
 
 
-def warmup_checkpoint(out: Path, timeout_s: float, steps: int | None = None) -> Path:
+def warmup_checkpoint(out: Path, timeout_s: float, steps: int | None = None,
+                      deadline: float = float("inf")) -> Path:
     """The BF16 warm-up's actor checkpoint (run once; reused when it exists)."""
     root = out / "warmup"
     latest = root / "sft" / "checkpoints" / "latest"
     if not latest.is_file():
         overrides = (f"run.dir={root}", "precision.mode=bf16", "run.steps=1",
                      *(() if steps is None else (f"sft.steps={steps}",)))
-        codes = run_all([Run("warmup", STUDY_CONFIG, overrides)], out, 1, timeout_s)
-        if codes["warmup"] != 0 or not latest.is_file():
-            sys.exit(f"the warm-up failed (exit {codes['warmup']}); see {root / 'train.log'}")
+        codes = run_all([Run("warmup", STUDY_CONFIG, overrides)], out, 1, timeout_s, deadline)
+        if codes.get("warmup") != 0 or not latest.is_file():
+            sys.exit(f"the warm-up failed (exit {codes.get('warmup')}); see {root / 'train.log'}")
     return root / "sft" / "checkpoints" / latest.read_text().strip() / "actor"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, action="append", required=True,
+                    help="the study's directory; with --summary-only, one or more (seeds) to average")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
+    ap.add_argument("--seed", type=int, default=None, help="run.seed of the RL runs (default: the config's)")
     ap.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps (default: the config's)")
     ap.add_argument("--speed-steps", type=int, default=None, help="steps of each speed run (default: the config's)")
     ap.add_argument("--parallel", type=int, default=8,
@@ -169,26 +213,37 @@ def main() -> int:
     ap.add_argument("--no-speed", action="store_true", help="skip the Qwen3-8B-shape speed runs")
     ap.add_argument("--summary-only", action="store_true", help="only the tables of the runs in --out")
     ap.add_argument("--timeout", type=float, default=900, help="seconds a run may take (default 900)")
+    ap.add_argument("--budget", type=float, default=float("inf"),
+                    help="seconds the whole study may take: runs still going then are stopped (their metrics "
+                         "so far are kept) and the tables printed, e.g. inside a device call's time limit")
     args = ap.parse_args()
-    out = args.out.resolve()
+    if args.summary_only:
+        per_dir = [summaries(d.resolve(), args.modes) for d in args.out]
+        if len(per_dir) > 1:
+            for d, results in zip(args.out, per_dir):
+                print(f"## {d}\n\n{tables(results)}\n")
+            print(f"## mean of {len(per_dir)} studies\n")
+        print(tables(per_dir[0] if len(per_dir) == 1 else mean_results(per_dir)))
+        return 0
+    if len(args.out) != 1:
+        ap.error("one --out runs a study (several are for --summary-only)")
+    deadline = time.monotonic() + args.budget
+    out = args.out[0].resolve()
     out.mkdir(parents=True, exist_ok=True)
-    codes: dict[str, int] = {}
-    if not args.summary_only:
-        checkpoint = warmup_checkpoint(out, args.timeout, args.warmup_steps)
-        codes.update(run_all(study_runs(out, checkpoint, args.modes, steps=args.steps), out, args.parallel,
-                             args.timeout))
-        if not args.no_speed:
-            codes.update(run_all(speed_runs(out, args.speed_steps), out, 1, args.timeout))
-    results = {}
-    for run in [*study_runs(out, Path("-"), args.modes), *speed_runs(out)]:
-        metrics = out / run.name / "metrics.jsonl"
-        if metrics.is_file():
-            results[run.name] = summarise(metrics)
-        elif not args.summary_only or run.name in codes:
-            print(f"[study] {run.name}: no metrics (exit {codes.get(run.name)}; {out / run.name / 'train.log'})")
-    (out / "study.json").write_text(json.dumps({"results": results, "exit_codes": codes}, indent=1))
+    checkpoint = warmup_checkpoint(out, args.timeout, args.warmup_steps, deadline)
+    codes: dict[str, int | None] = {}
+    codes.update(run_all(study_runs(out, checkpoint, args.modes, steps=args.steps, seed=args.seed), out,
+                         args.parallel, args.timeout, deadline))
+    if not args.no_speed:
+        codes.update(run_all(speed_runs(out, args.speed_steps), out, 1, args.timeout, deadline))
+    results = summaries(out, args.modes)
+    for name, code in codes.items():
+        if name not in results:
+            print(f"[study] {name}: no metrics (exit {code}; {out / name / 'train.log'})")
+    (out / "study.json").write_text(json.dumps({"results": results, "exit_codes": codes,
+                                                "seed": args.seed}, indent=1))
     print(tables(results))
-    return 0 if all(c == 0 for c in codes.values()) else 1
+    return 0 if codes and all(c == 0 for c in codes.values()) else 1
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@
 # study.json come back as $OUT/study.tgz; plots are drawn from them anywhere matplotlib is:
 #   device tool:  carry [".whl"], command: bash benchmarks/study_gpu.sh [--steps 40] [--parallel 8]
 #   then here:    tar xzf study.tgz && python benchmarks/mismatch_plots.py study --out docs/figures
-# Arguments go to mismatch_study.py. A device call is limited to 10 minutes; STUDY_TIMEOUT (s,
-# default 240) bounds each run so that the call ends with whatever finished.
+# Arguments go to mismatch_study.py (e.g. --seed 2 --no-speed for a second seed). A device call is
+# limited to 10 minutes: the study gets what is left of STUDY_CALL_S (default 570 s) after the
+# build as its --budget, and STUDY_TIMEOUT (s, default 240) bounds each run, so that the call
+# always ends with the tables and the metrics of whatever ran.
 set -uo pipefail
+t_call=$(date +%s)
 out=${OUT:-study_out}
 # shellcheck source=benchmarks/gpu_setup.sh
 . benchmarks/gpu_setup.sh
@@ -15,7 +18,10 @@ rm -rf "$dir"
 t0=$(date +%s)
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader,nounits -lms 2000 >"$out/gpu_use.csv" &
 smi=$!
-python3 benchmarks/mismatch_study.py --out "$dir" --timeout "${STUDY_TIMEOUT:-240}" "$@" >"$out/study.log" 2>&1
+# The study stops its runs in time to print and pack what it has inside the call's limit.
+budget=$(( ${STUDY_CALL_S:-570} - ($(date +%s) - t_call) ))
+python3 benchmarks/mismatch_study.py --out "$dir" --timeout "${STUDY_TIMEOUT:-240}" --budget "$budget" "$@" \
+  >"$out/study.log" 2>&1
 rc=$?
 kill $smi 2>/dev/null
 find "$dir" -name "checkpoints" -prune -o \( -name "*.jsonl" -o -name "*.log" -o -name "*.json" \) \

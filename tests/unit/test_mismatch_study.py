@@ -102,8 +102,38 @@ def test_plots_are_written(tmp_path):
             d.mkdir()
             k3 = 1e-2 if mode.startswith("bf16-train") else 1e-7
             (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows(20, lambda s: s / 20, k3, secs)))
-    written = plots.plot(tmp_path, tmp_path / "fig")
+    seed2 = tmp_path / "seed2"
+    for mode in ("bf16", "fp8"):  # a second seed of part of the study: drawn and averaged where present
+        d = seed2 / f"{mode}__none"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows(20, lambda s: s / 40, 1e-6, secs)))
+    written = plots.plot([tmp_path, seed2], tmp_path / "fig")
     assert [p.name for p in written] == ["mismatch_reward.png", "mismatch_k3.png", "mismatch_probs_diff.png"]
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
     assert plots.smooth([1, 2, 3, 4, 5, 6], 3) == [1, 1.5, 2, 3, 4, 5]
+    assert plots.mean_series([([1, 2, 3], [1.0, 2.0, 3.0]), ([2, 3], [4.0, 5.0])]) == ([2, 3], [3.0, 4.0])
+
+
+def test_mean_over_seeds(tmp_path):
+    secs = {"generate": 2.0, "logprobs": 1.0, "update": 3.0, "sync": 0.5, "step": 6.5}
+    a = study.summarise(_write(tmp_path / "a.jsonl", _rows(20, lambda s: 0.1, 1e-3, secs)))
+    b = study.summarise(_write(tmp_path / "b.jsonl", _rows(20, lambda s: 0.3, 3e-3, {**secs, "step": 8.5})))
+    mean = study.mean_results([{"fp8__none": a, "bf16__none": a}, {"fp8__none": b}])
+    assert mean["fp8__none"]["reward_last10"] == pytest.approx(0.2) and mean["fp8__none"]["seeds"] == 2
+    assert mean["fp8__none"]["k3_kl"] == pytest.approx(2e-3)
+    assert mean["fp8__none"]["seconds"]["step"] == pytest.approx(7.5)
+    assert mean["fp8__none"]["eval"] == [(20, pytest.approx(0.1))]  # the mean last eval (0.05, 0.15)
+    assert mean["bf16__none"]["seeds"] == 1 and mean["bf16__none"]["reward_last10"] == pytest.approx(0.1)
+    assert "| fp8__none | 0.200 | 0.200 | 0.100 | 2.00e-03 |" in study.tables(mean)
+
+
+def test_runs_past_the_budget_are_stopped_and_the_rest_not_started(tmp_path, monkeypatch):
+    import time
+
+    sleeper, never = study.Run("sleeper", Path("-"), ()), study.Run("never", Path("-"), ())
+    monkeypatch.setattr(study, "_command", lambda run: [sys.executable, "-c", "import time; time.sleep(60)"])
+    t0 = time.monotonic()
+    codes = study.run_all([sleeper, never], tmp_path, parallel=1, timeout_s=600, deadline=time.monotonic() + 2)
+    assert codes == {"sleeper": 124, "never": None} and time.monotonic() - t0 < 30
+    assert (tmp_path / "sleeper" / "train.log").is_file() and not (tmp_path / "never").exists()
