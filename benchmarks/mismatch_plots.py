@@ -43,7 +43,7 @@ def smooth(values: list[float], k: int = 5) -> list[float]:
 def mean_series(curves: Sequence[Series]) -> Series:
     """The mean over ``curves`` at the steps all of them have."""
     common = sorted(set.intersection(*(set(xs) for xs, _ in curves))) if curves else []
-    lookups = [dict(zip(xs, ys)) for xs, ys in curves]
+    lookups = [dict(zip(xs, ys, strict=True)) for xs, ys in curves]
     return common, [sum(d[s] for d in lookups) / len(lookups) for s in common]
 
 

@@ -220,7 +220,7 @@ def main() -> int:
     if args.summary_only:
         per_dir = [summaries(d.resolve(), args.modes) for d in args.out]
         if len(per_dir) > 1:
-            for d, results in zip(args.out, per_dir):
+            for d, results in zip(args.out, per_dir, strict=True):
                 print(f"## {d}\n\n{tables(results)}\n")
             print(f"## mean of {len(per_dir)} studies\n")
         print(tables(per_dir[0] if len(per_dir) == 1 else mean_results(per_dir)))
