@@ -127,7 +127,7 @@ class DynamicSamplingSettings:
 @dataclass(frozen=True)
 class OverlongSettings:
     """What happens to responses that hit the length limit: ``none``; ``filter`` (excluded from the
-    loss, see ``filters.overlong_filter_mask``); ``soft`` (DAPO's linear penalty over the last
+    loss, see ``rollouts.training_batch``); ``soft`` (DAPO's linear penalty over the last
     ``buffer_tokens`` before ``max_new_tokens``, reaching ``-penalty``; see
     ``filters.overlong_penalty``). ``buffer_tokens`` must not exceed the rollout's
     ``max_new_tokens``; the trainer checks that, since it sees both sections."""

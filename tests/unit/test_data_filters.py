@@ -1,38 +1,9 @@
-"""DAPO batch shaping (data/filters.py) against hand-computed values."""
+"""DAPO overlong reward shaping (data/filters.py) against hand-computed values."""
 
 import pytest
 import torch
 
-from megatron_jetrl.data.filters import overlong_filter_mask, overlong_penalty, select_groups, uniform_groups
-
-
-def test_uniform_groups():
-    r = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5])
-    # groups of 3: [1 1 1] [0 1 0] [0 0 0] [.5 .5 .5]
-    assert uniform_groups(r, 3).tolist() == [True, False, True, True]
-    # groups of 4: [1 1 1 0] [1 0 0 0] [0 .5 .5 .5]
-    assert uniform_groups(r, 4).tolist() == [False, False, False]
-    assert uniform_groups(r, 1).tolist() == [True] * 12  # one sample: never any signal
-    assert uniform_groups(torch.tensor([1, 1, 0, 1]), 2).tolist() == [True, False]
-
-
-def test_uniform_groups_errors():
-    with pytest.raises(ValueError, match="do not form groups of 3"):
-        uniform_groups(torch.zeros(4), 3)
-    with pytest.raises(ValueError, match="1-D"):
-        uniform_groups(torch.zeros(2, 2), 2)
-    with pytest.raises(ValueError, match="NaN"):
-        uniform_groups(torch.tensor([1.0, float("nan")]), 2)
-
-
-def test_select_groups():
-    keep = ~uniform_groups(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0]), 2)
-    assert keep.tolist() == [False, True, True, False, True]
-    assert select_groups(keep, 2) == [1, 2]
-    assert select_groups(keep, 5) == [1, 2, 4]  # fewer kept than asked: all of them
-    assert select_groups(keep, 0) == []
-    with pytest.raises(ValueError, match="bool"):
-        select_groups(torch.tensor([1, 0]), 1)
+from megatron_jetrl.data.filters import overlong_penalty
 
 
 def test_overlong_penalty_hand_computed():
@@ -52,8 +23,3 @@ def test_overlong_penalty_errors():
         overlong_penalty(torch.tensor([1]), 10, 0, 1.0)
     with pytest.raises(ValueError, match="penalty"):
         overlong_penalty(torch.tensor([1]), 10, 5, -1.0)
-
-
-def test_overlong_filter_mask():
-    assert overlong_filter_mask(["stop", "length", "stop", "length"]).tolist() == [False, True, False, True]
-    assert overlong_filter_mask([]).dtype == torch.bool
