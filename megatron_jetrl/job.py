@@ -34,8 +34,6 @@ from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.settings import RolloutSettings
 from megatron_jetrl.runtime.metrics import LogSettings
 
-SYNTHETIC_PREFIX = "synthetic:"
-
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -192,6 +190,8 @@ def _check_together(job: JobConfig) -> None:
     if job.rollout.fp8_kv_cache and not job.precision.rollout_fp8:
         raise ConfigError("rollout.vllm.kv_cache_dtype", "fp8",
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
+    if job.rollout.engine == "vllm" and job.model.hf_config is None:
+        raise ConfigError("model.hf_config", None, "the vLLM engine loads the model's config from an HF directory")
 
 
 def resolve(job: JobConfig, world_size: int) -> "Resolved":

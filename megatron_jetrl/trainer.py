@@ -40,6 +40,7 @@ from megatron_jetrl.precision.kv_cache import kv_scale_names
 from megatron_jetrl.rollout import RolloutEngine, SamplingParams
 from megatron_jetrl.rollouts import Group, Response, StepRollouts, prompt_major, replica_share, supervised_batch
 from megatron_jetrl.rollouts import training_batch
+from megatron_jetrl.runtime.atomic import save_json_atomic
 from megatron_jetrl.runtime.checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.console import ConsoleView
 from megatron_jetrl.runtime.metrics import MetricsLogger
@@ -123,12 +124,12 @@ class Trainer:
         self._train_mode()
         metrics = rollouts.metrics()
         with self._phase("logprobs"):
-            batch, extra = self.prepare_update(batch)
+            batch, extra, kv_scales = self.prepare_update(batch)
         metrics.update(extra)
         with self._phase("update"):
             metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch, self.loss_fn).items()})
         with self._phase("sync"):
-            self.sync_weights(extra.pop("_kv_scales", None))
+            self.sync_weights(kv_scales)
         seconds = self.timer.seconds
         seconds["step"] = sum(seconds.values())
         metrics.update({f"timing/{k}_s": v for k, v in seconds.items()})
@@ -136,7 +137,7 @@ class Trainer:
         metrics["perf/tokens_per_s_per_gpu"] = batch.tokens.numel() / seconds["step"] / self.world
         metrics["actor/steps"] = float(self.actor.steps)
         metrics.update(self._memory_metrics())
-        return {k: v for k, v in metrics.items() if not k.startswith("_")}
+        return metrics
 
     # ------------------------------------------------------------------ phases
 
@@ -173,26 +174,30 @@ class Trainer:
         mine = replica_share(prompts, self.replica, self.replicas)
         samples = self.engine.generate([list(prompts[i].token_ids) for i in mine],
                                        dataclasses.replace(sampling, seed=seed))
-        texts = [self.tokenizer.decode(self._strip_stop(s.tokens)) for s in samples]
-        scored = self.reward(texts, [prompts[mine[s.prompt_index]].answer for s in samples])
-        penalty = self._overlong_penalty([len(s.tokens) for s in samples], sampling.max_new_tokens)
-        local: dict[int, list[Response]] = {}
-        for s, score, pen in zip(samples, scored.scores, penalty, strict=True):
-            local.setdefault(mine[s.prompt_index], []).append(
-                Response(list(s.tokens), list(s.logprobs), s.finish_reason == "length", score, score + pen))
-        share = [(pos, resp) for pos, resp in local.items()] if self.rank % self.resolved.rollout_tp == 0 else []
+        part: tuple = ([], 0, 0)  # a rollout-TP follower: its replica's leader scores and reports
+        if self.rank % self.resolved.rollout_tp == 0:
+            texts = [self.tokenizer.decode(self._strip_stop(s.tokens)) for s in samples]
+            scored = self.reward(texts, [prompts[mine[s.prompt_index]].answer for s in samples])
+            penalty = self._overlong_penalty([len(s.tokens) for s in samples], sampling.max_new_tokens)
+            local: dict[int, list[Response]] = {}
+            for s, score, pen in zip(samples, scored.scores, penalty, strict=True):
+                local.setdefault(mine[s.prompt_index], []).append(
+                    Response(list(s.tokens), list(s.logprobs), s.finish_reason == "length", score, score + pen))
+            part = (list(local.items()), scored.timeouts, scored.errors)
         parts: list = [None] * self.world
-        dist.all_gather_object(parts, (share, scored.timeouts, scored.errors))
+        dist.all_gather_object(parts, part)
         responses = prompt_major([p[0] for p in parts])
         groups = [Group(p.index, p.token_ids, r) for p, r in zip(prompts, responses, strict=True)]
         return groups, sum(p[1] for p in parts), sum(p[2] for p in parts)
 
     def prepare_update(self, batch):
         """Old logprobs (or the rollout's, in bypass mode), reference logprobs for the KL penalty,
-        rollout correction and the mismatch metrics; returns the batch with those fields."""
+        rollout correction and the mismatch metrics; returns the batch with those fields, the metrics
+        and the FP8 KV-cache scales the logprob pass calibrated (None in bypass mode or without)."""
         corr_settings = self.job.algo.correction
         fields = dict(batch.fields)
         metrics: dict = {}
+        kv_scales = None
         rollout_lp, mask = fields["rollout_logprobs"], fields["loss_mask"]
         if corr_settings.bypass:
             fields["old_logprobs"] = rollout_lp
@@ -200,14 +205,14 @@ class Trainer:
             out = self.actor.compute_logprobs(batch, kv_scales=self.job.rollout.fp8_kv_cache)
             fields["old_logprobs"] = out.logprobs
             metrics.update(mismatch_metrics(out.logprobs, rollout_lp, mask))
-            metrics["_kv_scales"] = out.kv_scales
+            kv_scales = out.kv_scales
             corr = rollout_correction(out.logprobs, rollout_lp, mask, batch.cu_seqlens, corr_settings)
             metrics.update(corr.metrics)
             if corr_settings.mode != "none":
                 fields["is_weights"], fields["loss_mask"] = corr.weights, corr.loss_mask
         if self.job.algo.loss.kl_coef > 0:
             fields["ref_logprobs"] = self.actor.reference_logprobs(batch)
-        return dataclasses.replace(batch, fields=fields), metrics
+        return dataclasses.replace(batch, fields=fields), metrics, kv_scales
 
     def sync_weights(self, kv_scales: Optional[torch.Tensor] = None) -> None:
         """The actor's weights (its FP8 bytes and scales) into the engine, and the FP8 KV-cache
@@ -289,7 +294,7 @@ class Trainer:
         save_rng(staging, self.rank)
         if self.rank == 0:
             state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.job.to_dict()}
-            (staging / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            save_json_atomic(staging / "trainer_state.json", state)
         self.checkpoints.commit(self.step)
         self.console.log(f"checkpoint step {self.step} saved in {time.perf_counter() - start:.1f} s")
 
@@ -375,8 +380,6 @@ class Trainer:
                             max_prefill_tokens=r.hf.max_prefill_tokens, cuda_graphs=r.hf.cuda_graphs)
         from megatron_jetrl.rollout.vllm_engine import VllmEngine
 
-        if self.job.model.hf_config is None:
-            raise ConfigError("model.hf_config", None, "the vLLM engine loads the model's config from an HF directory")
         return VllmEngine(self.job.model.hf_config, self.job.precision, r.vllm)
 
     def _rollout_mode(self) -> None:

@@ -127,6 +127,21 @@ def test_fp8_kv_cache_needs_vllm_and_fp8_rollout():
         tiny("rollout.engine=vllm", "rollout.vllm.kv_cache_dtype=fp8", "precision.mode=bf16")
 
 
+def test_vllm_engine_needs_an_hf_config_directory():
+    # Checked with the config, before any model or warm-up is built.
+    with pytest.raises(ConfigError, match="HF directory") as e:
+        tiny("rollout.engine=vllm")
+    assert e.value.key == "model.hf_config"
+
+
+def test_bad_smoke_flag_is_refused_before_the_data_loads(capsys, monkeypatch):
+    import megatron_jetrl.cli as cli
+
+    monkeypatch.setattr(cli, "load_data", lambda *a: pytest.fail("data loaded before the flag was checked"))
+    assert cli_main(["train", str(TINY), "--smoke", "--smoke-step-seconds", "-1"]) == 2
+    assert "--smoke-step-seconds" in capsys.readouterr().err
+
+
 def test_check_command_prints_the_layout(capsys):
     assert cli_main(["check", str(TINY), "--world-size", "2", "run.steps=5"]) == 0
     out = capsys.readouterr().out
