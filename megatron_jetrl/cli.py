@@ -66,10 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def check(job: JobConfig, args: argparse.Namespace) -> int:
-    try:
-        capacity = gpu_capacity(args.gpu_memory)
-    except ValueError as e:
-        raise ConfigError("--gpu-memory", args.gpu_memory, str(e).split("; ", 1)[-1]) from None
+    capacity = gpu_capacity(args.gpu_memory)
     for flag, value in (("--world-size", args.world_size), ("--nodes", args.nodes),
                         ("--gpus-per-node", args.gpus_per_node)):
         if value is not None and value < 1:
@@ -103,6 +100,8 @@ def train(job: JobConfig, args: argparse.Namespace) -> int:
 
 
 def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSignal) -> int:
+    if args.smoke and not args.smoke_step_seconds >= 0:  # a bad flag before the data is loaded
+        raise ConfigError("--smoke-step-seconds", args.smoke_step_seconds, "must be >= 0")
     placement = launch.detect(os.environ)
     resolved = resolve(job, placement.world_size)  # layout and data errors before any GPU work
     launch.check_parallel_layout(placement.num_nodes, placement.local_world_size, job.actor.parallel,
@@ -178,8 +177,6 @@ def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, pree
 
     from megatron_jetrl.smoke import run_smoke
 
-    if not step_seconds >= 0:
-        raise ConfigError("--smoke-step-seconds", step_seconds, "must be >= 0")
     dist.init_process_group("gloo")
     try:
         if dist.get_rank() == 0:

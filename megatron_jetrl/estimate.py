@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_jetrl.actor.settings import ActorSettings
+from megatron_jetrl.config import ConfigError
 from megatron_jetrl.data.settings import DataSettings
 from megatron_jetrl.models import ModelBridge
 from megatron_jetrl.rollout.settings import RolloutSettings
@@ -184,16 +185,17 @@ def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutS
 
 
 def gpu_capacity(spec: str) -> float:
-    """Bytes of a GPU named on the command line: ``H100``, ``H200`` or a number of GiB."""
+    """Bytes of a GPU named on the command line: ``H100``, ``H200`` or a number of GiB; a
+    ``ConfigError`` naming ``--gpu-memory`` otherwise."""
     key = spec.strip().upper()
     if key in GPU_MEMORY_GIB:
         return GPU_MEMORY_GIB[key] * GiB
     try:
         value = float(spec)
     except ValueError:
-        raise ValueError(f"--gpu-memory: got {spec!r}; give H100, H200 or a number of GiB") from None
+        raise ConfigError("--gpu-memory", spec, "give H100, H200 or a number of GiB") from None
     if not value > 0:
-        raise ValueError(f"--gpu-memory: got {spec!r}; must be > 0 GiB")
+        raise ConfigError("--gpu-memory", spec, "must be > 0 GiB")
     return value * GiB
 
 

@@ -67,14 +67,15 @@ def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal,
           "pid": os.getpid(), "tp": coords.tp, "dp": coords.dp, "pp": coords.pp, "replica": rank // rollout_tp}
     table: list = [None] * world
     dist.all_gather_object(table, me)
-    _check_table(table, placement, parallel, dp_size)
+    layout = groups(parallel, dp_size)
+    _check_table(table, layout["tp"])
     say(f"smoke: {placement.describe()}", flush=True)
     for row in table:
         say("smoke: rank {rank:>4} host {host} node {node} local {local} pid {pid}: "
             "tp {tp} dp {dp} pp {pp}, rollout replica {replica}".format(**row), flush=True)
 
     handles = {kind: [(members, dist.new_group(members)) for members in ranks]
-               for kind, ranks in groups(parallel, dp_size).items()}
+               for kind, ranks in layout.items()}
     checkpoints = RunCheckpoints(run_dir / "smoke", keep_last, rank, world, barrier=dist.barrier)
     checkpoints.clean_stale()
     step = 0
@@ -88,7 +89,7 @@ def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal,
         _collectives(rank, world, handles, step)
         time.sleep(step_seconds)
         say(f"smoke: step {step}/{steps} ok", flush=True)
-        stop = preemption.agreed(lambda flag: any_rank(flag, torch.device("cpu")))
+        stop = preemption.agreed(any_rank)  # gloo: reduced on the CPU
         if stop or step == steps or (save_every and step % save_every == 0):
             staging = checkpoints.begin(step)
             (staging / f"rank_{rank:05d}.json").write_text(json.dumps(me))
@@ -104,7 +105,7 @@ def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal,
     return 0
 
 
-def _check_table(table: list[dict], placement: Placement, parallel: ParallelLayout, dp_size: int) -> None:
+def _check_table(table: list[dict], tp_groups: list[list[int]]) -> None:
     """Every rank agrees on the layout: one process per (node, local rank), each node on one host,
     every TP group on one host."""
     by_slot = {(r["node"], r["local"]) for r in table}
@@ -115,7 +116,7 @@ def _check_table(table: list[dict], placement: Placement, parallel: ParallelLayo
         hosts_of_node.setdefault(r["node"], set()).add(r["host"])
     if any(len(h) > 1 for h in hosts_of_node.values()):
         raise RuntimeError(f"one node rank spans several hosts: {hosts_of_node}")
-    for members in groups(parallel, dp_size)["tp"]:
+    for members in tp_groups:
         hosts = {table[m]["host"] for m in members}
         if len(hosts) > 1:
             raise RuntimeError(f"TP group {members} spans hosts {sorted(hosts)}")
