@@ -13,9 +13,10 @@ correction (none, token TIS).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Sequence
+
+from rl_summary import eval_points, read_rows, train_rows  # benchmarks/, the script's own directory
 
 COLORS = {"bf16": "tab:blue", "fp16": "tab:green", "fp8": "tab:red", "bf16-train_fp8-rollout": "tab:orange"}
 LABELS = {"bf16": "BF16", "fp16": "FP16", "fp8": "FP8 unified", "bf16-train_fp8-rollout": "BF16 train + FP8 rollout"}
@@ -26,12 +27,12 @@ Series = tuple[list[int], list[float]]
 
 def series(rows: list[dict], key: str) -> Series:
     """(steps, values) of ``key`` over the RL steps (not the step-0 eval row)."""
-    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "timing/step_s" in r]
+    pts = [(r["step"], r[key]) for r in train_rows(rows) if r.get(key) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
 def eval_series(rows: list[dict]) -> Series:
-    pts = [(r["step"], r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
+    pts = eval_points(rows)
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -53,8 +54,7 @@ def runs(studies: Sequence[Path]) -> dict[tuple[str, str], list[list[dict]]]:
     for study in studies:
         for metrics in sorted(study.glob("*__*/metrics.jsonl")):
             mode, corr = metrics.parent.name.split("__")
-            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            out.setdefault((mode, corr), []).append(rows)
+            out.setdefault((mode, corr), []).append(read_rows(metrics))
     return out
 
 

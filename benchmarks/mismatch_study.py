@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from rl_summary import summarise  # benchmarks/, the script's own directory
+from rl_summary import TABLE_PHASES as PHASES  # benchmarks/, the script's own directory
+from rl_summary import summarise
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY_CONFIG = ROOT / "benchmarks" / "configs" / "mismatch_study.yaml"
 SPEED_CONFIG = ROOT / "benchmarks" / "configs" / "qwen3_8b_dims.yaml"
 MODES = ("bf16", "fp16", "fp8", "bf16-train+fp8-rollout")
 CORRECTIONS = ("none", "token_tis")
-PHASES = ("generate", "logprobs", "update", "sync", "step")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,23 @@ import json
 from pathlib import Path
 
 PHASES = ("generate", "advantages", "logprobs", "update", "sync", "step")
+TABLE_PHASES = ("generate", "logprobs", "update", "sync", "step")
+"""The phases the study and scale tables show (advantages take milliseconds)."""
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_rows(rows: list[dict]) -> list[dict]:
+    """The RL steps' records (not the step-0 evaluation, nor an evaluation-only record)."""
+    return [r for r in rows if "timing/step_s" in r]
+
+
+def eval_points(rows: list[dict]) -> list[tuple[int, float]]:
+    """(step, eval reward) of every evaluation."""
+    return [(r["step"], r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
 
 
 def summarise(path: Path) -> dict:
@@ -22,9 +39,9 @@ def summarise(path: Path) -> dict:
     mismatch_study.py): train reward (first and last 10 steps), eval curve, mean mismatch,
     response length and entropy, mean seconds per phase and tokens/s/GPU over steps 2.., tokens per
     step, and the largest value of every ``memory/*`` metric. Missing metrics are NaN."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    train = [r for r in rows if "timing/step_s" in r]
-    evals = [(r["step"], r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
+    rows = read_rows(path)
+    train = train_rows(rows)
+    evals = eval_points(rows)
     warm = train[1:] or train
 
     def mean(key, rs):

@@ -19,7 +19,7 @@ from megatron_jetrl.job import load_job, resolve
 
 import rl_summary  # noqa: E402  (benchmarks/, the script's own directory)
 
-PHASES = ("generate", "logprobs", "update", "sync", "step")
+PHASES = rl_summary.TABLE_PHASES
 MEASURED = ("generate_peak_allocated", "update_peak_allocated", "peak_reserved", "device_used")
 
 

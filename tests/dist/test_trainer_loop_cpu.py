@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from megatron_jetrl.algo import LossInputs
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.job import load_data, load_job, resolve
+from megatron_jetrl.runtime import EXIT_PREEMPTED
 from megatron_jetrl.sync.local import shard_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,7 +181,7 @@ def test_signal_stops_with_a_checkpoint_and_rerun_continues_exactly(tmp_path, pr
     class Interrupted(FakeActor):
         signal_at_update = 2
 
-    assert _run(tmp_path / "cut", actor_cls=Interrupted) == 75
+    assert _run(tmp_path / "cut", actor_cls=Interrupted) == EXIT_PREEMPTED
     assert (tmp_path / "cut" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert sorted(_rows(tmp_path / "cut")) == [0, 1, 2]
     assert _run(tmp_path / "cut") == 0

@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+from megatron_jetrl.runtime import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "tiny_countdown.yaml"
-EXIT_PREEMPTED = 75
 
 
 def _cmd(run_dir: Path, *overrides: str) -> list[str]:
@@ -58,11 +58,6 @@ def _keep(run_dir: Path, name: str) -> None:
 
 def _check_ok(proc: subprocess.CompletedProcess, code: int = 0) -> None:
     assert proc.returncode == code, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_gpu():
-    assert torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("mode", ["fp8", "bf16"])

@@ -48,9 +48,9 @@ def test_every_run_is_a_valid_job(tmp_path):
 def test_speed_runs_fit_an_h100():
     for run in study.speed_runs(Path("/tmp/x")):
         job = load_job(run.config, list(run.overrides))
-        plan = resolve(job, 1).memory
-        assert plan.fits(GPU_MEMORY_GIB["H100"] * GiB), run.name
-        assert resolve(job, 1).bridge.dims.hidden_size == 4096
+        resolved = resolve(job, 1)
+        assert resolved.memory.fits(GPU_MEMORY_GIB["H100"] * GiB), run.name
+        assert resolved.bridge.dims.hidden_size == 4096
 
 
 def _rows(n, reward, k3, seconds):
@@ -101,12 +101,12 @@ def test_plots_are_written(tmp_path):
             d = tmp_path / f"{mode}__{corr}"
             d.mkdir()
             k3 = 1e-2 if mode.startswith("bf16-train") else 1e-7
-            (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows(20, lambda s: s / 20, k3, secs)))
+            _write(d / "metrics.jsonl", _rows(20, lambda s: s / 20, k3, secs))
     seed2 = tmp_path / "seed2"
     for mode in ("bf16", "fp8"):  # a second seed of part of the study: drawn and averaged where present
         d = seed2 / f"{mode}__none"
         d.mkdir(parents=True)
-        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows(20, lambda s: s / 40, 1e-6, secs)))
+        _write(d / "metrics.jsonl", _rows(20, lambda s: s / 40, 1e-6, secs))
     written = plots.plot([tmp_path, seed2], tmp_path / "fig")
     assert [p.name for p in written] == ["mismatch_reward.png", "mismatch_k3.png", "mismatch_probs_diff.png"]
     for p in written:
