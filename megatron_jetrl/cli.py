@@ -126,8 +126,8 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     capacity = torch.cuda.mem_get_info()[1]
     problems = check_memory(resolved, capacity, skip=args.skip_memory_check)
     # No device_id: NCCL communicators are then made on each group's first collective. With
-    # device_id every one of megatron's ~20 groups gets one at once, 6.5 GiB per GPU for a world
-    # of 1 on an H100 (benchmarks.md, "NCCL communicators"), most of them never used.
+    # device_id every one of megatron's process groups gets one at once: 6.5 GiB per GPU for a
+    # world of 1 on an H100 (benchmarks.md, "NCCL communicators"), most of them never used.
     dist.init_process_group("nccl")
     from megatron_jetrl.trainer import Trainer
 
