@@ -27,7 +27,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.algo.settings import AlgoSettings
-from megatron_jetrl.config import ConfigError, apply_overrides, build, load_yaml, to_plain
+from megatron_jetrl.config import ConfigError, apply_overrides, build, check_integer, load_yaml, to_plain
 from megatron_jetrl.data.settings import DataSettings, RewardSettings
 from megatron_jetrl.models import ModelBridge, bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
@@ -57,10 +57,10 @@ class RunSettings:
             raise ConfigError("run.save_at_end", self.save_at_end, "must be true or false")
         if not self.dir:
             raise ConfigError("run.dir", self.dir, "must be a directory path")
-        _int("run.steps", self.steps, 1)
-        _int("run.save_every", self.save_every, 0)
-        _int("run.keep_last", self.keep_last, 1)
-        _int("run.eval_every", self.eval_every, 0)
+        check_integer("run.steps", self.steps, minimum=1)
+        check_integer("run.save_every", self.save_every, minimum=0)
+        check_integer("run.keep_last", self.keep_last, minimum=1)
+        check_integer("run.eval_every", self.eval_every, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ class SftSettings:
     response_key: str = "solution"
 
     def __post_init__(self) -> None:
-        _int("sft.steps", self.steps, 0)
-        _int("sft.batch_size", self.batch_size, 1)
+        check_integer("sft.steps", self.steps, minimum=0)
+        check_integer("sft.batch_size", self.batch_size, minimum=1)
         if not self.lr > 0:
             raise ConfigError("sft.lr", self.lr, "must be > 0")
 
@@ -199,8 +199,7 @@ def resolve(job: JobConfig, world_size: int) -> "Resolved":
     Raises ``ConfigError`` when the layout does not divide the world or the model."""
     from megatron_jetrl.estimate import estimate_memory
 
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError("world_size", world_size, "must be an integer >= 1")
+    check_integer("world_size", world_size, minimum=1)
     hf_config = job.model.hf_config_dict()
     bridge = bridge_for(hf_config)
     bridge.check_layout(job.actor.parallel)
@@ -301,11 +300,6 @@ def _section(data: dict, name: str, parent: str = "") -> dict:
 
 def _missing(name: str):
     raise ConfigError(name, None, "the section is required")
-
-
-def _int(key: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(key, value, f"must be an integer >= {low}")
 
 
 def _count(n: float) -> str:

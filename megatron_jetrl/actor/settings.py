@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 from megatron_jetrl.models import ParallelLayout
 from megatron_jetrl.precision import GEMM_BACKENDS, PrecisionRecipe
 
@@ -115,8 +115,7 @@ class ActorSettings:
             raise ConfigError("actor.recompute", self.recompute, f"must be one of {RECOMPUTE}")
         if not isinstance(self.optimizer, OptimizerSettings):
             raise ConfigError("actor.optimizer", self.optimizer, "must be an OptimizerSettings")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError("actor.seed", self.seed, "must be an integer")
+        check_integer("actor.seed", self.seed)
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP = world / (TP x PP); fails, naming the layout, when it does not divide."""

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 
 EPS = 1e-6
 
@@ -32,8 +32,7 @@ EPS = 1e-6
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ConfigError("algo.group_size", group_size, "must be an integer >= 1")
+    check_integer("algo.group_size", group_size, minimum=1)
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (prompt-major order)")
     return rewards.double().view(-1, group_size)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_jetrl.algo.advantages import ADVANTAGES
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 
 LOSS_TYPES = ("ppo", "gspo", "cispo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -130,8 +130,7 @@ class AlgoSettings:
 
     def __post_init__(self) -> None:
         _choice("algo.advantage", self.advantage, tuple(sorted(ADVANTAGES)))
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ConfigError("algo.group_size", self.group_size, "must be an integer >= 1")
+        check_integer("algo.group_size", self.group_size, minimum=1)
         if self.advantage == "rloo" and self.group_size < 2:
             raise ConfigError("algo.group_size", self.group_size,
                               "advantage 'rloo' needs group_size >= 2 (it leaves one sample out)")

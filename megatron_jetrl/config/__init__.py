@@ -5,7 +5,7 @@ start-up, before any GPU work (see ``ConfigError``). ``loader`` builds the typed
 dataclasses from YAML and ``key=value`` overrides.
 """
 
-from megatron_jetrl.config.errors import ConfigError
+from megatron_jetrl.config.errors import ConfigError, check_integer
 from megatron_jetrl.config.loader import apply_overrides, build, load_yaml, parse_override, to_plain
 
-__all__ = ["ConfigError", "apply_overrides", "build", "load_yaml", "parse_override", "to_plain"]
+__all__ = ["ConfigError", "check_integer", "apply_overrides", "build", "load_yaml", "parse_override", "to_plain"]

@@ -1,5 +1,7 @@
 """The one error type for invalid configuration."""
 
+from __future__ import annotations
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid.
@@ -13,3 +15,10 @@ class ConfigError(ValueError):
         self.got = got
         self.allowed = allowed
         super().__init__(f"{key}: got {got!r}; {allowed}")
+
+
+def check_integer(key: str, value: object, *, minimum: int | None = None) -> None:
+    """``ConfigError`` naming ``key`` unless ``value`` is an int (not a bool), ``>= minimum`` when
+    given: "must be an integer" / "must be an integer >= N"."""
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        raise ConfigError(key, value, "must be an integer" + ("" if minimum is None else f" >= {minimum}"))

@@ -12,16 +12,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 OVERLONG_MODES = ("none", "filter", "soft")
 MATH_REWARD = "math"
-
-
-def _integer(key: str, value, *, minimum: Optional[int] = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        raise ConfigError(key, value, "must be an integer" + ("" if minimum is None else f" >= {minimum}"))
 
 
 def _number(key: str, value, *, positive: bool = False) -> None:
@@ -56,8 +51,8 @@ class SyntheticSettings:
         tasks = _synthetic_tasks()
         if self.task not in tasks:
             raise ConfigError(f"{key}.task", self.task, f"must be one of {tasks}")
-        _integer(f"{key}.size", self.size, minimum=1)
-        _integer(f"{key}.seed", self.seed)
+        check_integer(f"{key}.size", self.size, minimum=1)
+        check_integer(f"{key}.seed", self.seed)
         if not isinstance(self.options, dict) or not all(isinstance(k, str) for k in self.options):
             raise ConfigError(f"{key}.options", self.options, "must be a mapping of option names to values")
 
@@ -107,7 +102,7 @@ class DatasetSettings:
             raise ConfigError(f"{key}.system_prompt", self.system_prompt, "must be a string or unset")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
             raise ConfigError(f"{key}.chat_template", self.chat_template, f"must be one of {CHAT_TEMPLATE_MODES}")
-        _integer(f"{key}.max_prompt_tokens", self.max_prompt_tokens, minimum=1)
+        check_integer(f"{key}.max_prompt_tokens", self.max_prompt_tokens, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -121,7 +116,7 @@ class DynamicSamplingSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ConfigError("data.dynamic_sampling.enabled", self.enabled, "must be true or false")
-        _integer("data.dynamic_sampling.max_rounds", self.max_rounds, minimum=1)
+        check_integer("data.dynamic_sampling.max_rounds", self.max_rounds, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -139,7 +134,7 @@ class OverlongSettings:
     def __post_init__(self) -> None:
         if self.mode not in OVERLONG_MODES:
             raise ConfigError("data.overlong.mode", self.mode, f"must be one of {OVERLONG_MODES}")
-        _integer("data.overlong.buffer_tokens", self.buffer_tokens, minimum=1)
+        check_integer("data.overlong.buffer_tokens", self.buffer_tokens, minimum=1)
         _number("data.overlong.penalty", self.penalty)
         if self.penalty < 0:
             raise ConfigError("data.overlong.penalty", self.penalty, "must be >= 0 (it is subtracted from the reward)")
@@ -173,16 +168,16 @@ class DataSettings:
             if not isinstance(self.eval, DatasetSettings):
                 raise ConfigError("data.eval", self.eval, "must be a DatasetSettings or unset")
             self.eval.validate("data.eval")
-        _integer("data.prompts_per_step", self.prompts_per_step, minimum=1)
+        check_integer("data.prompts_per_step", self.prompts_per_step, minimum=1)
         if not isinstance(self.shuffle, bool):
             raise ConfigError("data.shuffle", self.shuffle, "must be true or false")
-        _integer("data.seed", self.seed)
+        check_integer("data.seed", self.seed)
         if not isinstance(self.dynamic_sampling, DynamicSamplingSettings):
             raise ConfigError("data.dynamic_sampling", self.dynamic_sampling, "must be a DynamicSamplingSettings")
         if not isinstance(self.overlong, OverlongSettings):
             raise ConfigError("data.overlong", self.overlong, "must be an OverlongSettings")
         if self.eval_size is not None:
-            _integer("data.eval_size", self.eval_size, minimum=1)
+            check_integer("data.eval_size", self.eval_size, minimum=1)
             if self.eval is None:
                 raise ConfigError("data.eval_size", self.eval_size, "needs data.eval (the held-out prompt set)")
 

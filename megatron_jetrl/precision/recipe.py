@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 
 LLAMA_LINEAR_NAMES = (
     "self_attn.q_proj",
@@ -72,8 +72,7 @@ class Fp8Options:
         object.__setattr__(self, "amax_epsilon", float(eps))
         for name in ("bf16_first_layers", "bf16_last_layers"):
             n = getattr(self, name)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ConfigError(f"{key}.{name}", n, "must be an integer >= 0")
+            check_integer(f"{key}.{name}", n, minimum=0)
 
 
 @dataclass(frozen=True)

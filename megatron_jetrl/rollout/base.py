@@ -24,7 +24,7 @@ from typing import Iterable, Literal, Protocol, Sequence
 
 import torch
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 
 FinishReason = Literal["stop", "length"]
 
@@ -45,8 +45,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         k = "rollout.sampling"
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ConfigError(f"{k}.n", self.n, "must be an integer >= 1")
+        check_integer(f"{k}.n", self.n, minimum=1)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ConfigError(f"{k}.temperature", t, "must be a finite number >= 0 (0 = greedy)")
@@ -56,8 +55,7 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise ConfigError(f"{k}.top_k", self.top_k, "must be an integer (<= 0 disables top-k)")
         m = self.max_new_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ConfigError(f"{k}.max_new_tokens", m, "must be an integer >= 1")
+        check_integer(f"{k}.max_new_tokens", m, minimum=1)
         stops = tuple(self.stop_token_ids)
         if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stops):
             raise ConfigError(f"{k}.stop_token_ids", self.stop_token_ids, "must be token ids (integers >= 0)")

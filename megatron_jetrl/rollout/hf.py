@@ -43,7 +43,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import check_integer
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.models.fp8_export import SCALE_SUFFIX
 from megatron_jetrl.models.hf_checkpoint import CheckpointError, HFCheckpoint
@@ -267,8 +267,7 @@ class HfEngine:
             raise TypeError(f"recipe must be a PrecisionRecipe; got {type(recipe).__name__}")
         for key, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens),
                            ("max_prefill_tokens", max_prefill_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"rollout.{key}", value, "must be an integer >= 1")
+            check_integer(f"rollout.{key}", value, minimum=1)
         self.bridge = bridge_for(hf_config)
         self.dims = self.bridge.dims
         self.recipe = recipe

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 from megatron_jetrl.precision import GEMM_BACKENDS
 from megatron_jetrl.rollout.base import SamplingParams
 from megatron_jetrl.rollout.vllm_engine import VllmOptions
@@ -29,8 +29,7 @@ class HfOptions:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens", "max_prefill_tokens"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"rollout.hf.{name}", v, "must be an integer >= 1")
+            check_integer(f"rollout.hf.{name}", v, minimum=1)
         if self.gemm not in GEMM_BACKENDS:
             raise ConfigError("rollout.hf.gemm", self.gemm, f"must be one of {GEMM_BACKENDS}")
 

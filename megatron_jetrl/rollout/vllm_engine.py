@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 from megatron_jetrl.models import ModelBridge, bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.base import Sample, SamplingParams, TensorMeta, WeightMismatch, check_against_specs
@@ -85,8 +85,7 @@ class VllmOptions:
         k = "rollout.vllm"
         for name in ("tensor_parallel_size", "max_model_len", "max_num_seqs"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{k}.{name}", v, "must be an integer >= 1")
+            check_integer(f"{k}.{name}", v, minimum=1)
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u < 1:
             raise ConfigError(f"{k}.gpu_memory_utilization", u, "must be a fraction in (0, 1)")
@@ -95,8 +94,7 @@ class VllmOptions:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{k}.{name}", getattr(self, name), "must be true or false")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"{k}.seed", self.seed, "must be an integer")
+        check_integer(f"{k}.seed", self.seed)
         if self.sleep_level not in (1, 2):
             raise ConfigError(f"{k}.sleep_level", self.sleep_level,
                               "must be 1 (weights kept in host memory) or 2 (weights discarded; every update "

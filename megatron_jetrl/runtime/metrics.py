@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 from megatron_jetrl.runtime.atomic import write_atomic
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -72,8 +72,7 @@ class LogSettings:
                 raise ConfigError(f"log.{key}", getattr(self, key), "must be true or false")
         if not isinstance(self.wandb, WandbSettings):
             raise ConfigError("log.wandb", self.wandb, "must be a WandbSettings")
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ConfigError("log.every", self.every, "must be an integer >= 1")
+        check_integer("log.every", self.every, minimum=1)
 
 
 def _finite_or_null(metrics: Mapping[str, float]) -> dict[str, Any]:

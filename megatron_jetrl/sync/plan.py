@@ -34,7 +34,7 @@ from functools import cached_property
 
 import torch
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 from megatron_jetrl.models import ModelBridge, ParallelLayout, TensorSpec
 from megatron_jetrl.models.bridge import FC1, QKV, VOCAB
 from megatron_jetrl.models.fp8_export import SCALE_SUFFIX
@@ -119,8 +119,7 @@ class SyncPlan:
                  world_size: int):
         bridge.check_layout(train)
         d = bridge.dims
-        if isinstance(rollout_tp, bool) or not isinstance(rollout_tp, int) or rollout_tp < 1:
-            raise ConfigError("rollout.tp", rollout_tp, "must be an integer >= 1")
+        check_integer("rollout.tp", rollout_tp, minimum=1)
         for what, n in (("num_attention_heads", d.num_heads), ("num_key_value_heads", d.num_groups),
                         ("intermediate_size", d.ffn_hidden_size)):
             if n % rollout_tp:
