@@ -106,8 +106,6 @@ def build(cls: type, raw: Any, key: str, *, fixed: Mapping[str, Any] | None = No
             kwargs[name] = _value(hints[name], raw[name], sub)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(sub, None, "is required")
-        elif dataclasses.is_dataclass(_dataclass_in(hints[name])) and f.default_factory is not dataclasses.MISSING:
-            kwargs[name] = f.default_factory()
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -199,11 +197,6 @@ def _value(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, value, f"must be {tp.__name__}")
         return value
     raise TypeError(f"{key}: the config loader does not support the annotation {tp!r}")
-
-
-def _dataclass_in(tp: Any) -> Any:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if len(args) == 1 else tp
 
 
 def _describe(tp: Any) -> str:
