@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from megatron_jetrl.launch import free_port
 from megatron_jetrl.runtime import EXIT_PREEMPTED
 
@@ -17,29 +16,38 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "tiny_countdown.yaml"
 
 
+def slurm_env(job_id, ntasks, rank, **extra):
+    """The variables srun gives task ``rank`` of a one-node step, and no other launcher's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(SLURM_JOB_ID=str(job_id), SLURM_STEP_ID="0", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+               SLURM_NODEID="0", SLURM_NTASKS=str(ntasks), SLURM_STEP_NODELIST="localhost",
+               SLURM_STEP_TASKS_PER_NODE=str(ntasks), **extra)
+    return env
+
+
 def start(tmp_path, steps, tag, **extra):
     port = free_port()
     procs = []
     for rank in range(4):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-        env.update(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
-                   SLURM_NODEID="0", SLURM_NTASKS="4", SLURM_STEP_NODELIST="localhost",
-                   SLURM_STEP_TASKS_PER_NODE="4", MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **extra)
-        log = open(tmp_path / f"{tag}_rank{rank}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megatron_jetrl.cli", "train", str(CONFIG), "--smoke", "--smoke-step-seconds",
-             "0.2", f"run.dir={tmp_path / 'run'}", f"run.steps={steps}", "run.save_every=0",
-             "actor.parallel.tp=2", "model.config.num_key_value_heads=2", "data.prompts_per_step=2"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+        env = slurm_env(77, 4, rank, MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **extra)
+        with open(tmp_path / f"{tag}_rank{rank}.log", "w") as log:  # the child keeps its own handle
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "megatron_jetrl.cli", "train", str(CONFIG), "--smoke", "--smoke-step-seconds",
+                 "0.2", f"run.dir={tmp_path / 'run'}", f"run.steps={steps}", "run.save_every=0",
+                 "actor.parallel.tp=2", "model.config.num_key_value_heads=2", "data.prompts_per_step=2"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
     return procs
 
 
 def wait_all(procs, timeout=120):
+    """Exit codes of ``procs``; on a timeout every one of them is killed before the error."""
     deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-        codes.append(p.wait(timeout=max(1, deadline - time.monotonic())))
-    return codes
+    try:
+        return [p.wait(timeout=max(1, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
 
 
 def test_smoke_launch_signal_checkpoint_and_resume(tmp_path):
@@ -73,9 +81,7 @@ def test_smoke_launch_signal_checkpoint_and_resume(tmp_path):
 
 
 def test_smoke_refuses_a_layout_that_does_not_divide_the_world(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(SLURM_JOB_ID="78", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
-               SLURM_NTASKS="3", SLURM_STEP_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="3")
+    env = slurm_env(78, 3, 0)
     out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", str(CONFIG), "--smoke",
                           f"run.dir={tmp_path / 'run'}", "actor.parallel.tp=2", "model.config.num_key_value_heads=2"],
                          env=env, capture_output=True, text=True, timeout=120)
