@@ -1,68 +1,130 @@
 """The ``vllm`` rollout engine: vLLM in-process on every rank, colocated with the trainer.
 
 Each rank builds one ``vllm.LLM`` with ``distributed_executor_backend="external_launcher"``: no
-worker processes, no Ray; the ranks of a rollout TP group (consecutive global ranks) form vLLM's
-TP group on the job's own ``torch.distributed`` world, and every other group of ``rollout TP``
-ranks is an independent replica. All ranks of one TP group must make the same calls with the same
-prompts and sampling (vLLM schedules deterministically per replica).
+worker processes, no Ray, the engine core in this process (vLLM turns its multiprocessing off for
+that backend); the ranks of a rollout TP group (consecutive global ranks) form vLLM's TP group on
+the job's own ``torch.distributed`` world, and every other group of ``rollout TP`` ranks is an
+independent replica. All ranks of one TP group must make the same calls with the same prompts and
+sampling (vLLM schedules deterministically per replica).
 
-Precision comes from the recipe only: the model is built with the recipe's block-FP8
-``quantization_config`` (``hf_overrides``), ``load_format="dummy"`` (the first weights come from
-the weight sync, nothing is read from disk) and ``logprobs_mode="raw_logprobs"`` (logprobs of the
-model's own distribution, comparable with the trainer's). vLLM on Hopper keeps a block-FP8 weight
-as loaded: ``weight`` e4m3 [N, K] and ``weight_scale_inv`` fp32 [N/128, K/128] are neither
-transposed nor re-laid-out (DeepGEMM's fp32 128x128 weight scales need no transform on SM90), so
-the bytes the sync ships are the bytes the GEMMs read, provided DeepGEMM's UE8M0 re-quantization
-is off. That switch is an environment variable read by vLLM; the launcher sets it
-(``recipe.vllm_settings(...).env``) and this engine only checks it.
+Precision comes from the recipe only: the model is built from the policy's HF config with the
+recipe's block-FP8 ``quantization_config`` (``hf_overrides``), ``load_format="dummy"`` (the first
+weights come from the weight sync, nothing is read from disk), no tokenizer (token ids in, token
+ids out) and ``logprobs_mode="raw_logprobs"`` (logprobs of the model's own distribution,
+comparable with the trainer's). vLLM on Hopper keeps a block-FP8 weight as loaded: ``weight`` e4m3
+[N, K] and ``weight_scale_inv`` fp32 [N/128, K/128], so the bytes the sync ships are the bytes the
+GEMMs read, provided DeepGEMM's UE8M0 re-quantization is off. That switch is an environment
+variable read by vLLM; the launcher sets it (``engine_env``) and this engine checks it, and checks
+after start-up that vLLM holds every FP8 weight in the checkpoint layout.
 
-Weight updates use vLLM's checkpoint-format reload (``model_executor.model_loader.reload``):
-``initialize_layerwise_reload`` puts every layer back in checkpoint layout (on the meta device,
-keeping the live kernel tensors aside), ``model.load_weights`` runs vLLM's own loaders (q/k/v
-into ``qkv_proj``, gate/up into ``gate_up_proj``, scales alongside), each layer is processed as
-soon as all its tensors arrived and copied into the live tensors (CUDA graphs stay valid), and
-``finalize_layerwise_reload`` closes the update. A plain second ``load_weights`` fails: the FP8
-method replaced the parameters by plain ``torch.nn.Parameter``s, whose kept loaders need vLLM's
-parameter classes.
+Two ways to update weights (``rollout.vllm.weight_update``):
 
-A weight update may span several ``update_weights`` calls (one per sync bucket); it is closed by
-the next ``generate``, ``sleep`` or ``wake``. Tensors of a layer that is still incomplete at the
-end of a call are held by reference until the layer completes: do not overwrite them in place.
+- ``in_place`` (default): every checkpoint tensor is a view of a live vLLM parameter
+  (``vllm_model.DirectTargets``). ``weight_buffers()`` hands those views to the weight sync, whose
+  copy kernels write the trainer's bytes straight into vLLM's storage; ``update_weights`` copies
+  whatever else arrives (the vocabulary rows of this rank at rollout TP > 1, FP8 KV-cache scales).
+- ``reload``: vLLM's own loaders through its layerwise reload (``vllm_model.LayerwiseUpdate``): an
+  update may span several ``update_weights`` calls (one per sync bucket) and is closed by the next
+  ``generate``, ``sleep`` or ``wake``. Slower (vLLM materialises each layer in checkpoint layout,
+  loads, processes and copies back), for layouts the in-place path refuses.
 
 Sleep level 2 (the default) discards the weights instead of copying them to host memory: every RL
-step replaces all of them anyway, so level 1 would only spend host RAM and PCIe time on bytes
-that are about to be overwritten. The price is that after a level-2 sleep (and after start-up,
-when the weights are dummy) the next update must deliver every tensor of ``weight_specs()``
-before ``generate``; the engine checks that and names what is missing. Level 1 allows partial
-updates.
+step replaces all of them anyway, so level 1 would only spend host RAM and PCIe time on bytes that
+are about to be overwritten. The price is that after a level-2 sleep (and after start-up, when the
+weights are dummy) the next update must deliver every tensor of ``weight_specs()`` before
+``generate``; the engine checks that and names what is missing. Level 1 allows partial updates.
+
+Supported vLLM versions and the differences between them live in ``VLLM_VERSIONS`` below.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import importlib.metadata
 import json
-import math
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from megatron_jetrl.config import ConfigError, check_integer
-from megatron_jetrl.models import ModelBridge, bridge_for
+from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.base import Sample, SamplingParams, TensorMeta, WeightMismatch, check_against_specs
+from megatron_jetrl.rollout.vllm_model import KV_SCALES, DirectTargets, LayerwiseUpdate, model_weight_specs
 
 if TYPE_CHECKING:
     import vllm
 
 KV_CACHE_DTYPES = ("auto", "fp8")
-KV_SCALES = ("q_scale", "k_scale", "v_scale")
-"""Per-layer FP8 KV-cache scales, loadable as ``<layer>.self_attn.attn.<name>`` (fp32 scalars)."""
+WEIGHT_UPDATES = ("in_place", "reload")
+FP8_GEMMS = ("cutlass", "deep_gemm")
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 """vLLM ``CompletionOutput.finish_reason`` -> ``Sample.finish_reason``; anything else is an error."""
+
+VLLM_VERSIONS = {
+    "0.26": "the GPU host's vLLM (the newest built for torch 2.11 / CUDA 13); GPU-tested",
+    "0.32": "current vLLM (torch 2.13); contract-tested on CPU in CI",
+}
+"""The vLLM minor versions this engine is tested with. Versions between them are accepted (the
+APIs the engine uses are the same in both; the contract tests read them from each version's
+source). Everything the engine uses from vLLM — ``LLM(...)`` arguments, ``generate`` with token-id
+prompts, ``collective_rpc`` with a callable, ``sleep(level)`` / ``wake_up(tags)``,
+``reset_prefix_cache``, ``model_loader.reload`` and the layer classes read by ``vllm_model`` — has
+one form in both, so no code here branches on the version."""
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor.split("rc")[0].split("+")[0])
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise naming the supported range when ``version`` is outside it."""
+    tested = sorted(parse_version(v) for v in VLLM_VERSIONS)
+    try:
+        v = parse_version(version)
+    except ValueError:
+        v = None
+    if v is None or not tested[0] <= v <= tested[-1]:
+        lo, hi = (".".join(map(str, t)) for t in (tested[0], tested[-1]))
+        raise ConfigError("rollout.engine", "vllm",
+                          f"needs vLLM {lo}.x to {hi}.x; this environment has vLLM {version} (pip install "
+                          f"vllm=={hi}.0, or rollout.engine=hf)")
+
+
+def installed_vllm_version() -> Optional[str]:
+    """vLLM's version from its package metadata (without importing it), or None."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def require_vllm_version() -> str:
+    """The installed vLLM's version, or an error saying how to get a supported one (without
+    importing vLLM: ``jetrl train`` asks before any expensive work)."""
+    version = installed_vllm_version()
+    if version is None:
+        raise ConfigError("rollout.engine", "vllm", "vLLM is not installed here: pip install 'megatron-jetrl[vllm]' "
+                          "(or use rollout.engine=hf)")
+    check_vllm_version(version)
+    return version
+
+
+def require_vllm() -> ModuleType:
+    """The ``vllm`` module, or an error saying how to get it."""
+    require_vllm_version()
+    import vllm
+
+    return vllm
 
 
 @dataclass(frozen=True)
@@ -72,25 +134,40 @@ class VllmOptions:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     """Share of GPU memory for weights + KV cache while awake; the trainer gets it back in sleep."""
-    max_model_len: int = 8192
+    max_model_len: Optional[int] = None
+    """Longest prompt + response; default: the job's ``data.train.max_prompt_tokens`` +
+    ``rollout.sampling.max_new_tokens``."""
     max_num_seqs: int = 256
     kv_cache_dtype: str = "auto"
-    """``fp8`` stores the KV cache in E4M3 with per-layer scales (``self_attn.attn.{q,k,v}_scale``)."""
+    """``fp8`` stores the KV cache in E4M3 with per-layer scales the trainer measures each step."""
     enforce_eager: bool = False
+    """No CUDA graphs / torch.compile: faster start, slower decode (tests, debugging)."""
+    cuda_graph_max_batch: Optional[int] = None
+    """Capture CUDA graphs up to this many sequences per decode step (default: vLLM's, up to
+    ``max_num_seqs``); fewer graphs start faster."""
     enable_prefix_caching: bool = True
     seed: int = 0
     sleep_level: int = 2
+    weight_update: str = "in_place"
+    """``in_place``: the sync writes into vLLM's parameters; ``reload``: vLLM's own loaders."""
+    fp8_gemm: str = "cutlass"
+    """vLLM's block-FP8 GEMM on Hopper: ``cutlass`` or ``deep_gemm`` (JIT-compiled at start-up,
+    minutes for a large model)."""
 
     def __post_init__(self) -> None:
         k = "rollout.vllm"
-        for name in ("tensor_parallel_size", "max_model_len", "max_num_seqs"):
-            v = getattr(self, name)
-            check_integer(f"{k}.{name}", v, minimum=1)
+        for name in ("tensor_parallel_size", "max_num_seqs"):
+            check_integer(f"{k}.{name}", getattr(self, name), minimum=1)
+        for name in ("max_model_len", "cuda_graph_max_batch"):
+            if getattr(self, name) is not None:
+                check_integer(f"{k}.{name}", getattr(self, name), minimum=1)
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u < 1:
             raise ConfigError(f"{k}.gpu_memory_utilization", u, "must be a fraction in (0, 1)")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"{k}.kv_cache_dtype", self.kv_cache_dtype, f"must be one of {list(KV_CACHE_DTYPES)}")
+        for name, allowed in (("kv_cache_dtype", KV_CACHE_DTYPES), ("weight_update", WEIGHT_UPDATES),
+                              ("fp8_gemm", FP8_GEMMS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{k}.{name}", getattr(self, name), f"must be one of {list(allowed)}")
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{k}.{name}", getattr(self, name), "must be true or false")
@@ -101,37 +178,35 @@ class VllmOptions:
                               "must then send all weights)")
 
 
-def require_vllm() -> ModuleType:
-    """The ``vllm`` module, or an error saying how to get it."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise ImportError(
-            "the vllm rollout engine needs vLLM (>= 0.32), which is not installed here: "
-            "pip install 'megatron-jetrl[vllm]' (or use rollout.engine=hf)"
-        ) from e
-    return vllm
+def engine_env(recipe: PrecisionRecipe, options: VllmOptions, num_layers: int) -> dict[str, str]:
+    """Environment variables vLLM must see (it reads them at import or first use, so the launcher
+    sets them before the process imports vLLM): the recipe's scale format for DeepGEMM and the
+    FP8 GEMM choice."""
+    env = dict(recipe.vllm_settings(num_layers).env)
+    if recipe.rollout_fp8:
+        env["VLLM_USE_DEEP_GEMM"] = "1" if options.fp8_gemm == "deep_gemm" else "0"
+    return env
 
 
 def check_environment(env: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> None:
     """Raise naming the first variable of ``env`` that the process environment does not set to its
-    value. vLLM reads these itself (at import or first use), so the launcher must set them before
-    the process starts; the package never sets environment variables."""
+    value. The package never sets environment variables itself."""
     for var, value in env.items():
         if environ.get(var) != value:
             raise ConfigError(
                 f"environment:{var}", environ.get(var),
-                f"the precision recipe needs {var}={value} for vLLM (set by the launcher, before vLLM is "
-                f"imported: export {var}={value})",
+                f"the vllm engine needs {var}={value} (jetrl train sets it; a script that builds the engine "
+                f"itself must export {var}={value} before vLLM is imported)",
             )
 
 
-def llm_kwargs(model_path: str | Path, bridge: ModelBridge, recipe: PrecisionRecipe,
+def llm_kwargs(model_path: str | Path, hf_config: Mapping[str, Any], recipe: PrecisionRecipe,
                options: VllmOptions) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments of this engine (``vllm.EngineArgs`` fields)."""
+    bridge = bridge_for(dict(hf_config))
     settings = recipe.vllm_settings(bridge.dims.num_layers)
     quant = settings.quantization_config
-    return dict(
+    kwargs = dict(
         model=str(model_path),
         skip_tokenizer_init=True,
         generation_config="vllm",
@@ -146,139 +221,16 @@ def llm_kwargs(model_path: str | Path, bridge: ModelBridge, recipe: PrecisionRec
         kv_cache_dtype=options.kv_cache_dtype,
         seed=options.seed,
         gpu_memory_utilization=options.gpu_memory_utilization,
-        max_model_len=options.max_model_len,
+        max_model_len=options.max_model_len or bridge.dims.max_position_embeddings,
         max_num_seqs=options.max_num_seqs,
         enforce_eager=options.enforce_eager,
         enable_prefix_caching=options.enable_prefix_caching,
     )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Worker side: functions of a vLLM model, run on the engine's worker through ``collective_rpc`` (and
-# directly on a bare model by the contract test).
-
-
-def model_weight_specs(model: torch.nn.Module) -> dict[str, TensorMeta]:
-    """Every checkpoint tensor this rank's vLLM ``model`` loads, by HF name, with the shape and dtype
-    it must have: fused linears split back into their projections with the packed-modules mapping
-    and the layer's partition sizes (this rank's shard under TP), ``weight_scale_inv`` for FP8
-    linears, full embeddings / LM head (vLLM shards those itself), norms as held, and the FP8
-    KV-cache scales of each attention layer when the KV cache is FP8.
-
-    Raises ``RuntimeError`` when a parameter is held in a layout the checkpoint format does not
-    describe (a kernel that transposes, pads or repacks: then the shipped bytes would not be the
-    bytes computed with)."""
-    from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    specs: dict[str, TensorMeta] = {}
-    for name, param in model.named_parameters():
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if isinstance(module, LinearBase):
-            specs.update(_linear_specs(module_name, module, attr, param, packed))
-        elif isinstance(module, VocabParallelEmbedding):
-            specs[name] = TensorMeta((module.org_vocab_size, module.embedding_dim), param.dtype)
-        else:
-            specs[name] = TensorMeta(tuple(param.shape), param.dtype)
-    for module_name, module in model.named_modules():
-        if isinstance(module, Attention) and str(module.kv_cache_dtype).startswith("fp8"):
-            specs.update({f"{module_name}.{s}": TensorMeta((), torch.float32) for s in KV_SCALES})
-    return specs
-
-
-def _linear_specs(module_name: str, layer: torch.nn.Module, attr: str, param: torch.Tensor,
-                  packed: Mapping[str, Sequence[str]]) -> dict[str, TensorMeta]:
-    prefix, _, leaf = module_name.rpartition(".")
-    parts = list(packed.get(leaf, [leaf]))
-    sizes = list(layer.output_partition_sizes)
-    if len(parts) != len(sizes):
-        raise RuntimeError(f"vLLM layer {module_name}: packed modules {parts} but {len(sizes)} output partitions")
-    names = [f"{prefix}.{p}" if prefix else p for p in parts]
-    k = getattr(layer, "input_size_per_partition", None) or layer.input_size
-    block = getattr(layer, "weight_block_size", None)
-    if attr == "weight":
-        expected = [(n, k) for n in sizes]
-        if param.dtype not in (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32):
-            raise RuntimeError(f"vLLM holds {module_name}.weight as {param.dtype}; the checkpoint format is "
-                               "float8_e4m3fn or the model dtype (an FNUZ platform?)")
-    elif attr == "weight_scale_inv" and block:
-        expected = [(math.ceil(n / block[0]), math.ceil(k / block[1])) for n in sizes]
-    elif attr == "bias":
-        expected = [(n,) for n in sizes]
-    else:
-        raise RuntimeError(f"vLLM layer {module_name} has parameter {attr!r}, which this engine cannot update")
-    held = (sum(s[0] for s in expected), *expected[0][1:])
-    if tuple(param.shape) != held:
-        raise RuntimeError(f"vLLM holds {module_name}.{attr} as {list(param.shape)}; the checkpoint layout of "
-                           f"{names} gives {list(held)} (a kernel re-laid it out; its bytes would not be the "
-                           "trainer's)")
-    return {f"{n}.{attr}": TensorMeta(shape, param.dtype) for n, shape in zip(names, expected, strict=True)}
-
-
-class LayerwiseUpdate:
-    """One checkpoint-format weight update of a live vLLM model (vLLM's layerwise reload; see the
-    module docstring): ``load`` any number of times, then ``finish`` once.
-
-    ``presharded``: the tensors of TP-split linears are this rank's shards (shapes of
-    ``model_weight_specs``), not full tensors. vLLM's linear loaders always cut a full tensor at
-    ``tp_rank * shard``; for the duration of the update each split linear parameter's ``tp_rank``
-    is set to 0 (``is_sharded_weight`` for loaders that read that), so a shard is copied whole (vLLM
-    loads its replicated MLA latents the same way). Embeddings and the LM head still take full
-    tensors."""
-
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, *, presharded: bool):
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        self.model, self.vllm_config = model, vllm_config
-        with set_current_vllm_config(vllm_config):
-            initialize_layerwise_reload(model)
-        self._undo = _take_shards_whole(model) if presharded else []
-
-    def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            self.model.load_weights(tensors)
-
-    def finish(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        try:
-            with set_current_vllm_config(self.vllm_config), torch.no_grad():
-                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
-        finally:
-            for obj, attr, value in reversed(self._undo):
-                setattr(obj, attr, value)
-
-
-def _take_shards_whole(model: torch.nn.Module) -> list[tuple[torch.Tensor, str, Any]]:
-    """Make the loaders of every TP-split linear copy a given shard whole; returns what to undo."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.parameter import BasevLLMParameter
-
-    undo: list[tuple[torch.Tensor, str, Any]] = []
-    for module in model.modules():
-        if not isinstance(module, LinearBase) or getattr(module, "tp_size", 1) == 1:
-            continue
-        for param in module._parameters.values():
-            if param is None:
-                continue
-            if isinstance(param, BasevLLMParameter):
-                undo.append((param, "tp_rank", param.tp_rank))
-                param.tp_rank = 0
-            else:
-                undo.append((param, "is_sharded_weight", getattr(param, "is_sharded_weight", False)))
-                param.is_sharded_weight = True
-    return undo
-
-
-# ---------------------------------------------------------------------------------------------------
-# Driver side.
+    if options.cuda_graph_max_batch is not None and not options.enforce_eager:
+        top = min(options.cuda_graph_max_batch, options.max_num_seqs)
+        sizes = sorted({*(s for s in (1, 2, 4) if s <= top), *range(8, top + 1, 8), top})
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+    return kwargs
 
 
 def samples_from_outputs(outputs: Sequence[Any], n: int) -> list[Sample]:
@@ -301,46 +253,73 @@ def samples_from_outputs(outputs: Sequence[Any], n: int) -> list[Sample]:
     return samples
 
 
+def _check_no_requantization(vllm_module: ModuleType) -> None:
+    """vLLM's own answer to "will DeepGEMM re-quantize block scales to powers of two" must be no
+    (the environment check above makes it so; this catches a vLLM that decides otherwise)."""
+    try:
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+    except ImportError:  # no DeepGEMM integration in this build: nothing can re-quantize
+        return
+    if is_deep_gemm_e8m0_used():
+        raise ConfigError("environment:VLLM_USE_DEEP_GEMM_E8M0", os.environ.get("VLLM_USE_DEEP_GEMM_E8M0"),
+                          f"vLLM {vllm_module.__version__} would re-quantize the trainer's FP8 weights to "
+                          "power-of-two scales; export VLLM_USE_DEEP_GEMM_E8M0=0 (or precision.fp8.pow2_scales=true)")
+
+
 class VllmEngine:
     """``RolloutEngine`` on an in-process vLLM (see the module docstring).
 
     Args:
-        model_path: the policy's HF checkpoint directory; only its ``config.json`` is read (the
-            weights come from ``update_weights``; prompts are token ids, so no tokenizer).
+        hf_config: the policy's HF config (a dict, or a directory / file holding ``config.json``):
+            the architecture and its sizes. No weights and no tokenizer are read (weights come from
+            the sync; prompts are token ids).
         recipe: precision recipe: rollout dtype, FP8 block config, layers kept in BF16.
         options: the ``rollout.vllm`` section.
 
     Every rank of the job builds one; the process must have been launched by torchrun or srun
-    (``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set) with the recipe's vLLM
-    environment (``recipe.vllm_settings(num_layers).env``).
+    (``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set) with ``engine_env(...)`` in its
+    environment. Building checks, before any weight is written: vLLM's version, the environment,
+    and that vLLM holds every weight in the checkpoint layout.
     """
 
-    def __init__(self, model_path: str | Path, recipe: PrecisionRecipe, options: VllmOptions = VllmOptions()):
+    def __init__(self, hf_config: Mapping[str, Any] | str | Path, recipe: PrecisionRecipe,
+                 options: VllmOptions = VllmOptions()):
         if not isinstance(recipe, PrecisionRecipe):
             raise TypeError(f"recipe must be a PrecisionRecipe; got {type(recipe).__name__}")
         if not isinstance(options, VllmOptions):
             raise TypeError(f"options must be a VllmOptions; got {type(options).__name__}")
-        config_path = Path(model_path) / "config.json"
-        if not config_path.is_file():
-            raise ConfigError("rollout.model_path", str(model_path), "must be an HF checkpoint directory with a "
-                              "config.json")
-        self.bridge = bridge_for(json.loads(config_path.read_text()))
+        config = _read_config(hf_config)
+        self.bridge = bridge_for(config)
         self.recipe, self.options = recipe, options
-        check_environment(recipe.vllm_settings(self.bridge.dims.num_layers).env)
+        check_environment(engine_env(recipe, options, self.bridge.dims.num_layers))
         vllm = require_vllm()
-        from vllm.distributed import get_tensor_model_parallel_rank
-
         self._vllm = vllm
-        self._llm = vllm.LLM(**llm_kwargs(model_path, self.bridge, recipe, options))
-        self.tp_size = options.tensor_parallel_size
-        self.tp_rank = get_tensor_model_parallel_rank()
-        """This rank's place in its rollout TP group: the ``rollout_rank`` whose shards it loads."""
-        self._specs = self._on_worker(lambda worker: model_weight_specs(worker.get_model()))
+        self._llm = None
+        self._model_dir = tempfile.mkdtemp(prefix="jetrl-vllm-model-")
+        """vLLM reads the architecture from a directory: the config alone, written here."""
+        try:
+            (Path(self._model_dir) / "config.json").write_text(json.dumps(config))
+            self._llm = vllm.LLM(**llm_kwargs(self._model_dir, config, recipe, options))
+            if recipe.rollout_fp8:
+                _check_no_requantization(vllm)
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.tp_size = options.tensor_parallel_size
+            self.tp_rank = get_tensor_model_parallel_rank()
+            """This rank's place in its rollout TP group: the ``rollout_rank`` whose shards it loads."""
+            self._specs = self._on_worker(lambda worker: model_weight_specs(worker.get_model()))
+            self._direct: Optional[DirectTargets] = None
+            if options.weight_update == "in_place":
+                self._direct = self._on_worker(lambda worker: DirectTargets(worker.get_model()))
+        except BaseException:
+            self.close()
+            raise
         self._needed = self._required_names()
         """Tensors that must arrive before the next generate: all of them while the weights are dummy
         or discarded (level-2 sleep), else none."""
-        self._update: LayerwiseUpdate | None = None
+        self._update: Optional[LayerwiseUpdate] = None
         self._awake = {"weights": True, "kv_cache": True}
+        self._weights_changed = False
 
     # -- RolloutEngine ---------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
@@ -351,13 +330,34 @@ class VllmEngine:
             raise RuntimeError(f"vllm engine: {len(self._needed)} weight tensors were never loaded since the weights "
                                f"were last dummy or discarded (e.g. {sorted(self._needed)[:3]}); update_weights "
                                "with all of weight_specs() first")
+        if self._weights_changed and self.options.enable_prefix_caching:
+            self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self._weights_changed = False
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
+        if sampling.temperature == 0 and sampling.n > 1:  # vLLM takes n=1 only for greedy: one request each
+            n = sampling.n
+            greedy = dataclasses.replace(sampling, n=1)
+            outputs = self._llm.generate([p for p in prompts for _ in range(n)],
+                                         [self._vllm_sampling(greedy, 0)] * (len(prompts) * n), use_tqdm=False)
+            return [dataclasses.replace(s, prompt_index=s.prompt_index // n) for s in samples_from_outputs(outputs, 1)]
         params = [self._vllm_sampling(sampling, i) for i in range(len(prompts))]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
         return samples_from_outputs(outputs, sampling.n)
 
     def weight_specs(self) -> dict[str, TensorMeta]:
         return dict(self._specs)
+
+    def weight_buffers(self) -> dict[str, torch.Tensor]:
+        """The live vLLM parameters (views) a weight sync writes in place, with ``update_weights``
+        for the rest; empty with ``weight_update=reload``. Retakes the weight memory when asleep.
+        The caller must write every returned tensor before the next ``generate``."""
+        if self._direct is None:
+            return {}
+        self._wake_weights()
+        buffers = self._direct.buffers()
+        self._needed.difference_update(buffers)
+        self._weights_changed = True
+        return buffers
 
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         items = list(tensors)
@@ -369,16 +369,19 @@ class VllmEngine:
                 raise WeightMismatch(f"vllm engine update: tensor {name} given more than once in one call")
             given[name] = TensorMeta(tuple(t.shape), t.dtype)
         check_against_specs(self._specs, given, what="vllm engine update")
-        if not self._awake["weights"]:
-            self._llm.wake_up(tags=["weights"])
-            self._awake["weights"] = True
-        if self._update is None:
-            presharded = self.tp_size > 1
-            self._update = self._on_worker(
-                lambda worker: LayerwiseUpdate(worker.get_model(), worker.vllm_config, presharded=presharded))
-        update = self._update
-        self._on_worker(lambda worker: update.load(items))
-        self._needed.difference_update(n for n, _ in items)
+        self._wake_weights()
+        if self._direct is not None:
+            direct = self._direct
+            self._on_worker(lambda worker: direct.write(items))
+        else:
+            if self._update is None:
+                presharded = self.tp_size > 1
+                self._update = self._on_worker(
+                    lambda worker: LayerwiseUpdate(worker.get_model(), worker.vllm_config, presharded=presharded))
+            update = self._update
+            self._on_worker(lambda worker: update.load(items))
+        self._needed.difference_update(given)
+        self._weights_changed = True
 
     def sleep(self) -> None:
         self._finish_update()
@@ -397,9 +400,31 @@ class VllmEngine:
             self._awake = {"weights": True, "kv_cache": True}
 
     def close(self) -> None:
+        """Release the engine's GPU memory (weights and KV cache discarded, as in a level-2 sleep).
+        vLLM's own shutdown is not called: in-process under the external launcher it tears down
+        torch.distributed's default process group, which belongs to the job (the launcher destroys
+        it at exit), and while asleep it fails to unmap the discarded memory."""
         if self._llm is not None:
-            self._llm.llm_engine.engine_core.shutdown()
+            if any(self._awake.values()):
+                self._llm.sleep(level=2)
             self._llm = None
+            gc.unfreeze()  # vLLM froze the objects of the process at start-up, as its shutdown would undo
+        if self._model_dir is not None:
+            shutil.rmtree(self._model_dir, ignore_errors=True)
+            self._model_dir = None
+
+    @property
+    def weights_discarded(self) -> bool:
+        """True while some weight tensor has not arrived since the weights were last dummy or
+        discarded by a level-2 sleep (``generate`` refuses until it has)."""
+        return bool(self._needed)
+
+    @property
+    def kv_cache_tokens(self) -> Optional[int]:
+        """Tokens the KV cache holds on this rank (its size vLLM chose from the free memory)."""
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return None if blocks is None else blocks * cache.block_size
 
     # -- internals -------------------------------------------------------------------------------
     def _on_worker(self, fn: Callable[[Any], Any]) -> Any:
@@ -407,13 +432,17 @@ class VllmEngine:
         (result,) = self._llm.collective_rpc(fn)
         return result
 
+    def _wake_weights(self) -> None:
+        """Retake the weight memory only (the KV cache stays released while the trainer runs)."""
+        if not self._awake["weights"]:
+            self._llm.wake_up(tags=["weights"])
+            self._awake["weights"] = True
+
     def _finish_update(self) -> None:
         if self._update is None:
             return
         update, self._update = self._update, None
         self._on_worker(lambda worker: update.finish())
-        if self._awake["kv_cache"]:
-            self._llm.reset_prefix_cache()
 
     def _required_names(self) -> set[str]:
         """What a full update must contain: everything but the KV-cache scales, which vLLM keeps as
@@ -437,3 +466,13 @@ class VllmEngine:
             detokenize=False,
             skip_special_tokens=False,
         )
+
+
+def _read_config(hf_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    path = Path(hf_config)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError("model.hf_config", str(hf_config), "must be an HF checkpoint directory with a config.json")
+    return json.loads(path.read_text())

@@ -25,13 +25,8 @@ from megatron_jetrl.models import bridge_for
 from megatron_jetrl.models.fp8_export import to_fp8_block
 from megatron_jetrl.precision import Fp8Options, PrecisionMode, PrecisionRecipe
 from megatron_jetrl.rollout.base import SamplingParams, TensorMeta, WeightMismatch
-from megatron_jetrl.rollout.vllm_engine import (
-    LayerwiseUpdate,
-    VllmEngine,
-    VllmOptions,
-    model_weight_specs,
-    samples_from_outputs,
-)
+from megatron_jetrl.rollout.vllm_engine import VllmEngine, VllmOptions, engine_env, samples_from_outputs
+from megatron_jetrl.rollout.vllm_model import DirectTargets, LayerwiseUpdate, fp8_kv_attention, model_weight_specs
 from megatron_jetrl.sync import engine_tensors_from_full
 from tests.contract.vllm_cpu import (
     ARCHS,
@@ -50,6 +45,9 @@ RECIPES = {
     "fp8-bf16-first-layer": PrecisionRecipe(fp8=Fp8Options(bf16_first_layers=1)),
 }
 E8M0_OFF = ("VLLM_USE_DEEP_GEMM_E8M0", "0")
+KV_ATTRS = ("_q_scale", "_k_scale", "_v_scale", "_q_scale_float", "_k_scale_float", "_v_scale_float", "_k_scale_cpu",
+            "_v_scale_cpu")
+"""What an attention layer's FP8 KV cache reads: device scales, their floats and host copies."""
 
 
 def rollout_tensors(hf_model, recipe, rollout_tp=1, rollout_rank=0) -> list[tuple[str, torch.Tensor]]:
@@ -219,16 +217,55 @@ def test_fp8_kv_cache_scales_load_and_update(tmp_path):
         assert_params_equal(model, expected_params(model, dict(tensors)))
 
 
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_direct_writes_equal_vllms_own_loaders(arch, recipe_name, tmp_path):
+    """The in-place path (``DirectTargets``) puts every byte where vLLM's own loaders put it, FP8
+    KV-cache scales included; an independent check of its name -> row-range map."""
+    recipe = RECIPES[recipe_name]
+    hf_model = tiny_model(arch, seed=3)
+    model_dir = write_config(hf_model, tmp_path / "ckpt")
+    options = VllmOptions(kv_cache_dtype="fp8")
+    by_vllm, direct = (build_vllm_model(cpu_vllm_config(model_dir, recipe, options)) for _ in range(2))
+    attention = sorted(fp8_kv_attention(by_vllm))
+    scales = [(f"{a}.{s}", torch.tensor(0.02 + 0.003 * i + 0.001 * j)) for i, a in enumerate(attention)
+              for j, s in enumerate(("q_scale", "k_scale", "v_scale"))]
+    tensors = rollout_tensors(hf_model, recipe) + scales
+
+    update = LayerwiseUpdate(by_vllm, cpu_vllm_config(model_dir, recipe, options), presharded=False)
+    update.load(tensors)
+    update.finish()
+    targets = DirectTargets(direct)
+    for bucket in buckets(tensors):
+        targets.write(bucket)
+
+    assert_params_equal(direct, dict(by_vllm.named_parameters()))
+    assert_params_equal(direct, expected_params(direct, dict(tensors[: -len(scales)])))
+    for name in attention:
+        a, b = by_vllm.get_submodule(name), direct.get_submodule(name)
+        for attr in KV_ATTRS:
+            want, got = getattr(a, attr), getattr(b, attr)
+            assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), (name, attr)
+    with pytest.raises(WeightMismatch, match=r"k_scale is -1\.0"):
+        targets.write([(scales[1][0], torch.tensor(-1.0))])
+
+
 # -- the engine --------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def engine_on_cpu(tmp_path, monkeypatch):
-    """A VllmEngine whose ``vllm.LLM`` is ``InProcessLLM`` (a real vLLM model from the engine's arguments)."""
-    monkeypatch.setenv(*E8M0_OFF)
+def set_engine_env(monkeypatch):
+    for var, value in engine_env(PrecisionRecipe(), VllmOptions(), 2).items():
+        monkeypatch.setenv(var, value)
+
+
+@pytest.fixture(params=["in_place", "reload"])
+def engine_on_cpu(request, tmp_path, monkeypatch):
+    """A VllmEngine whose ``vllm.LLM`` is ``InProcessLLM`` (a real vLLM model from the engine's
+    arguments), with each way of updating weights."""
+    set_engine_env(monkeypatch)
     monkeypatch.setattr(vllm, "LLM", InProcessLLM)
     hf_model = tiny_model("Qwen3ForCausalLM")
-    engine = VllmEngine(write_config(hf_model, tmp_path / "ckpt"), PrecisionRecipe(), VllmOptions())
+    engine = VllmEngine(hf_model.config.to_dict(), PrecisionRecipe(), VllmOptions(weight_update=request.param))
     yield engine, hf_model
     engine.close()
 
@@ -246,7 +283,7 @@ def test_engine_updates_sleeps_and_wakes(engine_on_cpu):
         engine.update_weights(bucket)
     engine.wake()  # closes the update
     assert_params_equal(llm.model, expected_params(llm.model, dict(tensors)))
-    assert ("reset_prefix_cache",) in llm.calls and not any(c[0] in ("wake_up", "sleep") for c in llm.calls)
+    assert not any(c[0] in ("wake_up", "sleep") for c in llm.calls)
 
     engine.sleep()
     assert llm.calls[-1] == ("sleep", 2)
@@ -264,6 +301,29 @@ def test_engine_updates_sleeps_and_wakes(engine_on_cpu):
     assert_params_equal(llm.model, expected_params(llm.model, dict(second)))
     with pytest.raises(NotImplementedError, match="no vLLM CPU kernels"):
         engine.generate([[1, 2, 3]], SamplingParams())  # every check passed; only the kernels are missing
+    assert llm.calls[-1] == ("reset_prefix_cache",)  # cached KV of the old weights is dropped first
+
+
+def test_engine_weight_buffers_are_the_live_parameters(engine_on_cpu):
+    """What the weight sync does with an in-place engine: raw bytes into ``weight_buffers()``, the
+    rest through ``update_weights``; a reload engine offers no buffers."""
+    engine, first = engine_on_cpu
+    llm = engine._llm
+    tensors = dict(rollout_tensors(first, PrecisionRecipe()))
+    engine.sleep()
+    buffers = engine.weight_buffers()
+    if engine.options.weight_update == "reload":
+        assert buffers == {}
+        return
+    assert llm.calls[-1] == ("wake_up", ["weights"])
+    assert set(buffers) == set(tensors)  # rollout TP 1: every tensor, embeddings included
+    for name, buf in buffers.items():
+        assert buf.is_contiguous() and engine.weight_specs()[name] == TensorMeta(tuple(buf.shape), buf.dtype)
+        buf.view(torch.uint8).copy_(tensors[name].contiguous().view(torch.uint8))  # raw bytes, as the sync
+    engine.wake()
+    assert_params_equal(llm.model, expected_params(llm.model, tensors))
+    with pytest.raises(NotImplementedError, match="no vLLM CPU kernels"):
+        engine.generate([[1, 2, 3]], SamplingParams())  # nothing missing: the buffers counted as written
 
 
 SCALE = "model.layers.1.self_attn.k_proj.weight_scale_inv"  # fp32 [4, 2]: 4 KV heads x 128 rows, K = 256
@@ -300,6 +360,7 @@ def test_engine_rejects_a_wrong_tensor_before_writing(engine_on_cpu, case):
 
 
 def test_engine_checks_the_recipe_environment(tmp_path, monkeypatch):
+    set_engine_env(monkeypatch)
     monkeypatch.delenv(E8M0_OFF[0], raising=False)
     monkeypatch.setattr(vllm, "LLM", InProcessLLM)
     model_dir = write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt")
@@ -307,6 +368,10 @@ def test_engine_checks_the_recipe_environment(tmp_path, monkeypatch):
         VllmEngine(model_dir, PrecisionRecipe())
     monkeypatch.setenv(E8M0_OFF[0], "1")
     with pytest.raises(ConfigError, match=r"environment:VLLM_USE_DEEP_GEMM_E8M0: got '1'"):
+        VllmEngine(model_dir, PrecisionRecipe())
+    monkeypatch.setenv(*E8M0_OFF)
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")  # the kernel the config did not choose
+    with pytest.raises(ConfigError, match=r"environment:VLLM_USE_DEEP_GEMM: got '1'.*VLLM_USE_DEEP_GEMM=0"):
         VllmEngine(model_dir, PrecisionRecipe())
 
 
@@ -337,6 +402,14 @@ def _tp2_worker(rank, arch, tmp, results):
         update.load(full)
         update.finish()
         assert_params_equal(presharded, dict(by_vllm.named_parameters()))
+        # in place: this rank's shards written whole, this rank's vocabulary rows cut from full tensors
+        direct = build_vllm_model(cpu_vllm_config(model_dir, recipe, options))
+        targets = DirectTargets(direct)
+        assert not set(targets.buffers()) & {"model.embed_tokens.weight", "lm_head.weight"}  # vocab shards
+        assert set(targets.buffers()) | {"model.embed_tokens.weight", "lm_head.weight"} == {n for n, _ in shards}
+        for bucket in buckets(shards):
+            targets.write(bucket)
+        assert_params_equal(direct, dict(by_vllm.named_parameters()))
         results.put((rank, None))
     except BaseException as e:  # reported to the test
         import traceback
@@ -355,3 +428,26 @@ def test_presharded_updates_at_rollout_tp2(arch, tmp_path):
     for p in procs:
         p.join(timeout=60)
     assert got == {0: None, 1: None}, "\n".join(str(v) for v in got.values() if v)
+
+
+def test_greedy_with_several_samples_goes_as_one_request_each(engine_on_cpu):
+    """vLLM refuses n > 1 at temperature 0; the engine sends n requests of one sample instead and
+    returns them prompt-major like any other call."""
+    engine, hf_model = engine_on_cpu
+    engine.update_weights(rollout_tensors(hf_model, PrecisionRecipe()))
+    sent = []
+
+    def generate(prompts, params, use_tqdm=False):
+        sent.append((prompts, params))
+        return [RequestOutput(str(i), None, p["prompt_token_ids"], None,
+                              [CompletionOutput(index=0, text="", token_ids=[i], cumulative_logprob=-1.0,
+                                                logprobs=[{i: Logprob(-1.0, rank=1)}], finish_reason="length")],
+                              True) for i, p in enumerate(prompts)]
+
+    engine._llm.generate = generate
+    samples = engine.generate([[1, 2], [3]], SamplingParams(n=3, temperature=0.0, max_new_tokens=1))
+    (prompts, params), = sent
+    assert [p["prompt_token_ids"] for p in prompts] == [[1, 2]] * 3 + [[3]] * 3
+    assert all(p.n == 1 and p.temperature == 0.0 for p in params)
+    assert [(s.prompt_index, s.tokens) for s in samples] == [(0, [0]), (0, [1]), (0, [2]), (1, [3]), (1, [4]),
+                                                             (1, [5])]

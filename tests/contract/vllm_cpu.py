@@ -30,7 +30,6 @@ from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.vllm_engine import VllmOptions, llm_kwargs
 from tests.model_fixtures import tiny_hf_model
@@ -73,7 +72,7 @@ def engine_config(kwargs: dict) -> VllmConfig:
 
 def cpu_vllm_config(model_dir: Path, recipe: PrecisionRecipe, options: VllmOptions | None = None) -> VllmConfig:
     hf_config = json.loads((model_dir / "config.json").read_text())
-    return engine_config(llm_kwargs(model_dir, bridge_for(hf_config), recipe, options or VllmOptions()))
+    return engine_config(llm_kwargs(model_dir, hf_config, recipe, options or VllmOptions()))
 
 
 def init_vllm_distributed(init_file: Path, *, world_size: int = 1, rank: int = 0, tp: int = 1) -> None:
@@ -136,13 +135,15 @@ def expected_params(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
 
 def assert_params_equal(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
     """Byte equality (FP8 codes as bytes), shape and dtype of every parameter; an embedding's
-    padding rows are not compared."""
+    padding rows are not compared (``expected`` may hold them or not)."""
     params = dict(model.named_parameters())
     assert set(params) == set(expected), sorted(set(params) ^ set(expected))
     for name, param in params.items():
         want, got = expected[name], param.detach()
-        if isinstance(model.get_submodule(name.rpartition(".")[0]), VocabParallelEmbedding):
-            got = got[: want.shape[0]]
+        module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, VocabParallelEmbedding):  # this rank's vocabulary rows, not the padding
+            rows = module.shard_indices.org_vocab_end_index - module.shard_indices.org_vocab_start_index
+            got, want = got[:rows], want[:rows]
         assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype, got.shape, want.shape)
         assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), name
 

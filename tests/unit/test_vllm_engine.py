@@ -9,13 +9,22 @@ import pytest
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import Fp8Options, PrecisionMode, PrecisionRecipe
-from megatron_jetrl.rollout.vllm_engine import VllmEngine, VllmOptions, check_environment, llm_kwargs, require_vllm
+from megatron_jetrl.rollout.vllm_engine import (
+    VllmEngine,
+    VllmOptions,
+    check_environment,
+    check_vllm_version,
+    engine_env,
+    llm_kwargs,
+    require_vllm,
+)
 from tests.model_fixtures import tiny_hf_model
 
 
 @pytest.mark.parametrize("key, value", [
     ("tensor_parallel_size", 0), ("max_model_len", 1.5), ("gpu_memory_utilization", 1.0),
     ("kv_cache_dtype", "fp8_e5m2"), ("sleep_level", 0), ("enforce_eager", "yes"), ("seed", None),
+    ("weight_update", "copy"), ("fp8_gemm", "triton"), ("cuda_graph_max_batch", 0),
 ])
 def test_options_name_the_bad_key(key, value):
     with pytest.raises(ConfigError, match=rf"^rollout\.vllm\.{key}: got"):
@@ -34,34 +43,73 @@ def test_recipe_environment_keeps_fp32_scales():
     assert PrecisionRecipe(mode=PrecisionMode.BF16).vllm_settings(2).env == {}
 
 
+def test_engine_environment_names_the_fp8_gemm():
+    assert engine_env(PrecisionRecipe(), VllmOptions(), 2) == {"VLLM_USE_DEEP_GEMM_E8M0": "0",
+                                                                "VLLM_USE_DEEP_GEMM": "0"}
+    assert engine_env(PrecisionRecipe(), VllmOptions(fp8_gemm="deep_gemm"), 2)["VLLM_USE_DEEP_GEMM"] == "1"
+    assert engine_env(PrecisionRecipe(mode=PrecisionMode.BF16), VllmOptions(), 2) == {}
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.28.1", "0.32.0", "0.32.1rc1"])
+def test_supported_vllm_versions(version):
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.25.2", "0.33.0", "1.0.0", "nightly"])
+def test_unsupported_vllm_version_names_the_range_and_the_fix(version):
+    with pytest.raises(ConfigError, match=rf"^rollout\.engine: got 'vllm'.*0\.26\.x to 0\.32\.x.*{version}.*"
+                                          r"pip install vllm==0\.32\.0, or rollout\.engine=hf"):
+        check_vllm_version(version)
+
+
 def test_llm_kwargs_carry_the_recipe():
-    bridge = bridge_for(tiny_hf_model("Qwen3ForCausalLM").config.to_dict())
+    config = tiny_hf_model("Qwen3ForCausalLM").config.to_dict()
     recipe = PrecisionRecipe(fp8=Fp8Options(bf16_last_layers=1))
-    kw = llm_kwargs("/ckpt", bridge, recipe, VllmOptions(tensor_parallel_size=2, kv_cache_dtype="fp8"))
+    kw = llm_kwargs("/ckpt", config, recipe, VllmOptions(tensor_parallel_size=2, kv_cache_dtype="fp8"))
     assert kw["hf_overrides"] == {"quantization_config": recipe.quantization_config(2)}
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16"
     assert kw["hf_overrides"]["quantization_config"]["ignored_layers"][0] == "model.layers.1.self_attn.q_proj"
     assert (kw["distributed_executor_backend"], kw["load_format"], kw["logprobs_mode"]) == (
         "external_launcher", "dummy", "raw_logprobs")
     assert kw["enable_sleep_mode"] and kw["skip_tokenizer_init"] and kw["tensor_parallel_size"] == 2
-    assert kw["kv_cache_dtype"] == "fp8"
-    bf16 = llm_kwargs("/ckpt", bridge, PrecisionRecipe(mode=PrecisionMode.BF16), VllmOptions())
+    assert kw["kv_cache_dtype"] == "fp8" and "compilation_config" not in kw
+    assert kw["max_model_len"] == bridge_for(config).dims.max_position_embeddings  # when the job sets none
+    bf16 = llm_kwargs("/ckpt", config, PrecisionRecipe(mode=PrecisionMode.BF16),
+                      VllmOptions(max_model_len=96, cuda_graph_max_batch=20))
     assert bf16["quantization"] is None and bf16["hf_overrides"] == {"quantization_config": None}
+    assert bf16["max_model_len"] == 96
+    assert bf16["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 20]}
+
+
+def _no_vllm(monkeypatch):
+    """What an environment without vLLM looks like: no package metadata, no module."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "vllm":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setitem(sys.modules, "vllm", None)
 
 
 def test_missing_vllm_says_how_to_install_it(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like to import
-    with pytest.raises(ImportError, match=r"pip install 'megatron-jetrl\[vllm\]'"):
+    _no_vllm(monkeypatch)
+    with pytest.raises(ConfigError, match=r"pip install 'megatron-jetrl\[vllm\]'"):
         require_vllm()
     tiny_hf_model("Qwen3ForCausalLM").config.to_json_file(tmp_path / "config.json")
-    monkeypatch.setenv("VLLM_USE_DEEP_GEMM_E8M0", "0")
-    with pytest.raises(ImportError, match=r"pip install 'megatron-jetrl\[vllm\]'"):
+    for var, value in engine_env(PrecisionRecipe(), VllmOptions(), 2).items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=r"pip install 'megatron-jetrl\[vllm\]'"):
         VllmEngine(tmp_path, PrecisionRecipe())
 
 
 def test_engine_checks_its_inputs_before_vllm(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ConfigError, match=r"rollout\.model_path"):
+    _no_vllm(monkeypatch)
+    with pytest.raises(ConfigError, match=r"model\.hf_config"):
         VllmEngine(tmp_path, PrecisionRecipe())
     tiny_hf_model("Qwen3ForCausalLM").config.to_json_file(tmp_path / "config.json")
     monkeypatch.delenv("VLLM_USE_DEEP_GEMM_E8M0", raising=False)
