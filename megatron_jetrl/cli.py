@@ -88,6 +88,13 @@ def check(job: JobConfig, args: argparse.Namespace) -> int:
     problems = resolved.memory.problems(capacity)
     for line in problems:
         print(f"WARNING: {line}")
+    if job.rollout.engine == "vllm":  # planning may happen on a machine without the engine
+        from megatron_jetrl.rollout.vllm_engine import require_vllm_version
+
+        try:
+            require_vllm_version()
+        except ConfigError as e:
+            print(f"WARNING: {e} (jetrl train needs it on the GPU hosts)")
     print("config OK" + (", but it does not fit in memory (see WARNING)" if problems else ""))
     return 0
 
@@ -106,6 +113,10 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     resolved = resolve(job, placement.world_size)  # layout and data errors before any GPU work
     launch.check_parallel_layout(placement.num_nodes, placement.local_world_size, job.actor.parallel,
                                  resolved.rollout_tp)
+    if job.rollout.engine == "vllm" and not args.smoke:  # before the data, the model and the warm-up
+        from megatron_jetrl.rollout.vllm_engine import require_vllm_version
+
+        require_vllm_version()
     data = load_data(job, resolved)
     os.environ.update(placement.torch_env())
     launch.apply_env(os.environ, backend_env(job, resolved), launch.BACKEND_DEFAULTS)
@@ -167,7 +178,9 @@ def backend_env(job: JobConfig, resolved: Resolved) -> dict[str, str]:
     if job.precision.train_fp8 and job.actor.fp8_backend == "te":
         env.update(job.precision.te_settings(layers).env)
     if job.rollout.engine == "vllm":
-        env.update(job.precision.vllm_settings(layers).env)
+        from megatron_jetrl.rollout.vllm_engine import engine_env
+
+        env.update(engine_env(job.precision, job.rollout.vllm, layers))
     return env
 
 

@@ -136,6 +136,14 @@ class JobConfig:
     sft: SftSettings = field(default_factory=SftSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
+    @property
+    def longest_sequence(self) -> int:
+        """Tokens of the longest prompt + response a rollout may hold (train or eval prompts)."""
+        prompts = [self.data.train.max_prompt_tokens]
+        if self.data.eval is not None:
+            prompts.append(self.data.eval.max_prompt_tokens)
+        return max(prompts) + self.rollout.sampling.max_new_tokens
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data; ``load_job`` of it gives this config back."""
         out = to_plain(self)
@@ -190,8 +198,11 @@ def _check_together(job: JobConfig) -> None:
     if job.rollout.fp8_kv_cache and not job.precision.rollout_fp8:
         raise ConfigError("rollout.vllm.kv_cache_dtype", "fp8",
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
-    if job.rollout.engine == "vllm" and job.model.hf_config is None:
-        raise ConfigError("model.hf_config", None, "the vLLM engine loads the model's config from an HF directory")
+    limit = job.rollout.vllm.max_model_len
+    if job.rollout.engine == "vllm" and limit is not None and limit < job.longest_sequence:
+        raise ConfigError("rollout.vllm.max_model_len", limit,
+                          f"must hold the longest prompt + response ({job.longest_sequence} tokens: "
+                          "data max_prompt_tokens + rollout.sampling.max_new_tokens); leave it unset to use that")
 
 
 def resolve(job: JobConfig, world_size: int) -> "Resolved":

@@ -216,13 +216,14 @@ class Trainer:
 
     def sync_weights(self, kv_scales: Optional[torch.Tensor] = None) -> None:
         """The actor's weights (its FP8 bytes and scales) into the engine, and the FP8 KV-cache
-        scales measured by this step's logprob pass when the engine keeps an FP8 KV cache."""
-        self.engine.wake()
+        scales measured by this step's logprob pass when the engine keeps an FP8 KV cache. The
+        engine retakes only its weight memory here; its KV cache waits until the actor has left the
+        GPU (``_rollout_mode``)."""
         self.sync.sync(self.actor.weight_shards(), self.engine)
         if self.job.rollout.fp8_kv_cache and kv_scales is not None:
             names = kv_scale_names(self.resolved.bridge.dims.num_layers)
             self.engine.update_weights(list(zip(names, kv_scales.flatten().unbind(0), strict=True)))
-        self._engine_awake = True
+        self._engine_awake = False  # weights only
 
     def evaluate(self) -> dict[str, float]:
         """Mean score of one greedy response per evaluation prompt."""
@@ -266,12 +267,16 @@ class Trainer:
                                        start_step=self.step)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=self.job.log.tensorboard, wandb=self.job.log.wandb,
                                      enabled=self.rank == 0, config=self.job.to_dict(), start_step=self.step)
+        self._actor_offloaded = False
+        if self.job.rollout.offload_actor:  # the engine sizes its KV cache from the free GPU memory
+            self.actor.offload()
+            self._actor_offloaded = True
         self.engine = self._build_engine()
+        self._engine_awake = True
         plan = SyncPlan(self.resolved.bridge, self.job.precision, self.job.actor.parallel,
                         self.resolved.rollout_tp, self.world)
         self.sync = WeightSync(plan, self.rank, device=self.device)
-        self._engine_awake = True
-        self._actor_offloaded = False
+        self._train_mode()
         self.sync_weights()
         if fresh and self.job.run.eval_every:
             metrics = self.evaluate()
@@ -380,10 +385,17 @@ class Trainer:
                             max_prefill_tokens=r.hf.max_prefill_tokens, cuda_graphs=r.hf.cuda_graphs)
         from megatron_jetrl.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(self.job.model.hf_config, self.job.precision, r.vllm)
+        options = r.vllm if r.vllm.max_model_len else dataclasses.replace(r.vllm,
+                                                                          max_model_len=self.job.longest_sequence)
+        return VllmEngine(self.resolved.hf_config, self.job.precision, options)
 
     def _rollout_mode(self) -> None:
-        """The engine gets the GPU: actor offloaded (when colocated), engine awake."""
+        """The engine gets the GPU: actor offloaded (when colocated), engine awake. An engine whose
+        sleep discarded its weights since the last sync (vLLM's level 2, e.g. a checkpoint after an
+        evaluation) gets them again first, while the actor is still on the GPU."""
+        if getattr(self.engine, "weights_discarded", False):
+            self._train_mode()
+            self.sync_weights()
         if self.job.rollout.offload_actor and not self._actor_offloaded:
             self.actor.offload()
             self._actor_offloaded = True

@@ -104,6 +104,10 @@ class RolloutEngine(Protocol):
     #   def weight_buffers(self) -> dict[str, torch.Tensor]
     # the engine's own tensors (a subset of weight_specs() names), which the weight sync then
     # writes in place instead of handing over copies through update_weights.
+    # And, for engines whose sleep may drop the weights:
+    #   weights_discarded: bool  (property)
+    # True when a sleep dropped them since the last full update: the next generate needs every
+    # tensor of weight_specs() again (the trainer then syncs before it wakes the engine).
 
     def sleep(self) -> None:
         """Release GPU memory (KV cache dropped; weights kept off-GPU or dropped until the next

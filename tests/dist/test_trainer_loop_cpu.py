@@ -229,3 +229,61 @@ def test_optional_paths_run(tmp_path, process_group):
     rows = _rows(tmp_path / "opt")
     assert "actor/kl" in rows[2] and "rollout_corr/is_weight_mean" in rows[2]
     assert 1 <= rows[2]["dynamic_sampling/rounds"] <= 2
+
+
+class DiscardingEngine:
+    """The real hf engine behind vLLM's level-2 sleep rule: a sleep drops the weights, and
+    ``generate`` refuses until every tensor arrived again (through ``weight_buffers`` or
+    ``update_weights``)."""
+
+    def __init__(self, inner):
+        self.inner, self.missing = inner, set(inner.weight_specs())
+
+    @property
+    def weights_discarded(self) -> bool:
+        return bool(self.missing)
+
+    def weight_specs(self):
+        return self.inner.weight_specs()
+
+    def weight_buffers(self):
+        buffers = self.inner.weight_buffers()
+        self.missing -= set(buffers)
+        return buffers
+
+    def update_weights(self, tensors):
+        items = list(tensors)
+        self.inner.update_weights(items)
+        self.missing -= {name for name, _ in items}
+
+    def generate(self, prompts, sampling):
+        assert not self.missing, f"generate with {len(self.missing)} discarded weight tensors"
+        return self.inner.generate(prompts, sampling)
+
+    def sleep(self):
+        self.inner.sleep()
+        self.missing = set(self.inner.weight_specs())
+
+    def wake(self):
+        self.inner.wake()
+
+    def close(self):
+        self.inner.close()
+
+
+def test_an_engine_that_discards_its_weights_in_sleep_gets_them_again(tmp_path, process_group, monkeypatch):
+    """A checkpoint after an evaluation puts the engine to sleep after the step's sync: an engine
+    that drops its weights then (vLLM, sleep level 2) is synced again before it generates, and the
+    run equals one with an engine that keeps them."""
+    from megatron_jetrl.trainer import Trainer
+
+    assert _run(tmp_path / "keeps", "run.save_every=2") == 0
+    want = _rows(tmp_path / "keeps")
+    build = Trainer._build_engine
+    monkeypatch.setattr(Trainer, "_build_engine", lambda self: DiscardingEngine(build(self)))
+    assert _run(tmp_path / "drops", "run.save_every=2") == 0
+    got = _rows(tmp_path / "drops")
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4]
+    for step in range(1, 5):
+        for key in SAME:
+            assert got[step][key] == want[step][key], (step, key)

@@ -127,11 +127,15 @@ def test_fp8_kv_cache_needs_vllm_and_fp8_rollout():
         tiny("rollout.engine=vllm", "rollout.vllm.kv_cache_dtype=fp8", "precision.mode=bf16")
 
 
-def test_vllm_engine_needs_an_hf_config_directory():
+def test_vllm_engine_takes_an_inline_config_and_sizes_its_sequences():
+    job = tiny("rollout.engine=vllm")  # the inline model.config is enough: vLLM gets it written out
+    assert job.model.hf_config is None
+    assert job.longest_sequence == job.data.train.max_prompt_tokens + job.rollout.sampling.max_new_tokens
+    tiny("rollout.engine=vllm", f"rollout.vllm.max_model_len={job.longest_sequence}")
     # Checked with the config, before any model or warm-up is built.
-    with pytest.raises(ConfigError, match="HF directory") as e:
-        tiny("rollout.engine=vllm")
-    assert e.value.key == "model.hf_config"
+    with pytest.raises(ConfigError, match="longest prompt") as e:
+        tiny("rollout.engine=vllm", f"rollout.vllm.max_model_len={job.longest_sequence - 1}")
+    assert e.value.key == "rollout.vllm.max_model_len"
 
 
 def test_bad_smoke_flag_is_refused_before_the_data_loads(capsys, monkeypatch):
