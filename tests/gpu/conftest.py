@@ -1,3 +1,6 @@
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -13,3 +16,11 @@ def hopper():
         f"blockwise scaled_mm unavailable on {torch.cuda.get_device_name()} with torch {torch.__version__}"
     )
     return device
+
+
+requires_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and os.environ.get("JETRL_REQUIRE_VLLM") != "1",
+    reason="vLLM is not installed on this host (benchmarks/vllm_gpu.sh installs the offline bundle on the GPU host)")
+"""For tests of the vllm engine: skipped where vLLM is not installed, unless ``JETRL_REQUIRE_VLLM=1``
+(benchmarks/vllm_gpu.sh sets it once it installed vLLM) makes a missing vLLM fail; a vLLM that is
+installed but broken always fails."""

@@ -1,6 +1,7 @@
 """The RL loop end to end on one GPU: ``jetrl train examples/configs/tiny_countdown.yaml`` learns
-(reward rises clearly) in unified FP8 and in BF16, and a run killed by SIGTERM (SLURM preemption)
-continues from its checkpoint exactly where an uninterrupted run goes.
+(reward rises clearly) in unified FP8 and in BF16, with the hf engine and with vLLM, and a run
+killed by SIGTERM (SLURM preemption) continues from its checkpoint exactly where an uninterrupted
+run goes, with either engine.
 
 Each run is a real ``jetrl train`` process. Metrics files are copied to $JETRL_GPU_OUT/rl/ when
 that is set (benchmarks/gpu_check.sh sets it, and summarises them with benchmarks/rl_summary.py).
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_jetrl.runtime import EXIT_PREEMPTED
+from tests.gpu.conftest import requires_vllm
 
 pytestmark = pytest.mark.gpu
 
@@ -60,22 +62,23 @@ def _check_ok(proc: subprocess.CompletedProcess, code: int = 0) -> None:
     assert proc.returncode == code, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-@pytest.mark.parametrize("mode", ["fp8", "bf16"])
-def test_tiny_example_learns(tmp_path, mode):
-    run_dir = tmp_path / f"tiny_{mode}"
+@pytest.mark.parametrize("mode, engine", [
+    ("fp8", "hf"), ("bf16", "hf"), pytest.param("fp8", "vllm", marks=requires_vllm)])
+def test_tiny_example_learns(tmp_path, mode, engine):
+    run_dir = tmp_path / f"tiny_{mode}_{engine}"
     start = time.perf_counter()
-    proc = _train(run_dir, f"precision.mode={mode}", "log.console=true")
+    proc = _train(run_dir, f"precision.mode={mode}", f"rollout.engine={engine}", "log.console=true")
     wall = time.perf_counter() - start
     _check_ok(proc)
     rows = _metrics(run_dir)
     (run_dir / "wall_seconds").write_text(f"{wall:.1f}\n")
-    _keep(run_dir, f"tiny_{mode}")
+    _keep(run_dir, f"tiny_{mode}_{engine}")
     train = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if r.get("eval/reward") is not None]
     assert len(train) == 100, [r["step"] for r in train]
     first = sum(r["reward/mean"] for r in train[:10]) / 10
     last = sum(r["reward/mean"] for r in train[-10:]) / 10
-    print(f"{mode}: train reward first10 {first:.3f} last10 {last:.3f}; eval "
+    print(f"{mode} {engine}: train reward first10 {first:.3f} last10 {last:.3f}; eval "
           f"{[round(r['eval/reward'], 3) for r in evals]}; wall {wall:.0f} s")
     # single steps jump by about +-0.08 (64 prompts), so compare 10-step means; the held-out greedy
     # reward (256 prompts) must end higher than where RL started
@@ -90,8 +93,9 @@ def test_tiny_example_learns(tmp_path, mode):
     assert (run_dir / "checkpoints" / "latest").is_file()
 
 
-def test_kill_and_resume_continues_exactly(tmp_path):
-    short = ("run.steps=6", "run.save_every=0", "run.eval_every=0", "sft.steps=40")
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=requires_vllm)])
+def test_kill_and_resume_continues_exactly(tmp_path, engine):
+    short = ("run.steps=6", "run.save_every=0", "run.eval_every=0", "sft.steps=40", f"rollout.engine={engine}")
     whole = tmp_path / "whole"
     _check_ok(_train(whole, *short))
     want = {r["step"]: r for r in _metrics(whole)}
@@ -116,8 +120,8 @@ def test_kill_and_resume_continues_exactly(tmp_path):
     _check_ok(proc)
     assert "resumed from" in proc.stdout + proc.stderr
     got = {r["step"]: r for r in _metrics(killed)}
-    _keep(whole, "resume_whole")
-    _keep(killed, "resume_killed")
+    _keep(whole, f"resume_whole_{engine}")
+    _keep(killed, f"resume_killed_{engine}")
     assert sorted(got) == sorted(want) == list(range(1, 7)), (sorted(got), sorted(want))
     for step in range(1, 7):
         # the exact next batch: same prompts in the same order, every step
