@@ -1,0 +1,425 @@
+"""vLLM rollout, FP8 vs BF16, at Qwen3-8B shapes on one GPU: decode throughput, weight sync into
+vLLM, and a whole RL step with vLLM rollout. One table, printed last; the headline ratios go to
+docs/results/headline.json.
+
+    python benchmarks/bench_vllm.py decode --modes bf16,fp8,fp8kv [--cases 64x512,256x512,64x4096,256x4096]
+    python benchmarks/bench_vllm.py sync                 # 8B FP8 trainer shards -> vLLM, each update path
+    python benchmarks/bench_vllm.py step                 # jetrl train, Qwen3-8B layer shapes, FP8 and BF16
+    python benchmarks/bench_vllm.py table [--headline docs/results/headline.json]
+
+Results accumulate as JSON in ``--work`` (default /tmp/bench_vllm: the GPU host keeps /tmp while a
+machine stays warm, so the parts may run in separate calls) and are copied to ``--out`` if given.
+
+decode: one process per mode (vLLM's state lives for a process), each an in-process ``VllmEngine``
+exactly as the trainer builds it (external launcher, CUDA graphs, sleep mode) with random weights
+written through ``weight_buffers()`` (norms 1, the rest N(0, 0.02), FP8 linears quantized by the
+recipe), all 36 layers, prefix caching off. A case BxT generates T tokens (no stop) for B distinct
+random prompts of ``--prompt-len`` tokens in one ``generate`` call; throughput = B*T / wall time
+(prefill included; vLLM admits as many sequences as its KV cache holds, so at long responses batch
+capacity counts). ``--profile`` adds a kernel-time split of 32 decode steps at batch 256
+(prefill subtracted).
+
+sync: the trainer's shards of the whole 8B model at TP 1 (random BF16 + their FP8 FProp weights),
+synced into an FP8 engine: ``in_place`` (the copy kernels write into vLLM's parameters),
+``update_weights`` (the engine copies each round's tensors into its parameters) and ``reload``
+(vLLM's own loaders through its layerwise reload; a second engine). Against the copy floor: the
+engine's bytes over the GPU's copy bandwidth measured in the same process.
+
+step: ``jetrl train benchmarks/configs/qwen3_8b_dims.yaml`` (6 of Qwen3-8B's layers, its vocab, 16
+prompts x 8 samples x 512 tokens, 4 steps) with ``rollout.engine=vllm``, in FP8 and in BF16; mean
+seconds per phase over steps 2..4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = {  # name -> (precision.mode, kv_cache_dtype)
+    "bf16": ("bf16", "auto"),
+    "fp8": ("fp8", "auto"),
+    "fp8kv": ("fp8", "fp8"),
+}
+KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, DeepGEMM, FlashAttention 3, vLLM's ops
+    # FlashAttention 3 kernels are CUTLASS device kernels ("cutlass::device_kernel<flash::..."): first
+    ("attention", r"flash|fmha|attn|attention|paged"),
+    ("gemm", r"gemm|cutlass|nvjet|xmma|sm90_|deep_gemm|scaled_mm|splitk|cublas"),
+    ("fp8 quant", r"quant|fp8|per_token_group"),
+    ("kv cache write", r"reshape_and_cache|cache_kernel"),
+    ("norm / rope / act", r"norm|rotary|rope|silu|act_and_mul|gelu"),
+    ("sampling", r"sampl|topk|top_k|softmax|argmax|gumbel|exponential|multinomial|sort|cumsum"),
+)
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+# ------------------------------------------------------------------------------------------ children
+
+
+def _launch_env(args) -> dict[str, str]:
+    """One process as torchrun would start it (vLLM's external launcher reads these), with the
+    variables vLLM must see for the FP8 recipe and kernel (what ``jetrl train`` sets)."""
+    from megatron_jetrl.launch import free_port
+    from megatron_jetrl.precision import PrecisionRecipe
+    from megatron_jetrl.rollout.vllm_engine import VllmOptions, engine_env
+
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            **engine_env(PrecisionRecipe(), VllmOptions(fp8_gemm=args.fp8_gemm), args.layers)}
+
+
+def _engine(mode: str, args, **overrides):
+    """A VllmEngine of the 8B model in ``mode`` (torch.distributed up first, as in the trainer)."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.model_shapes import qwen3_8b_shaped
+    from megatron_jetrl.precision import PrecisionRecipe
+    from megatron_jetrl.rollout.vllm_engine import VllmEngine, VllmOptions
+
+    torch.cuda.set_device(0)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    precision, kv = MODES[mode]
+    recipe = PrecisionRecipe(mode=precision)
+    options = VllmOptions(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                          max_model_len=args.prompt_len + args.max_len, kv_cache_dtype=kv,
+                          enable_prefix_caching=False, fp8_gemm=args.fp8_gemm,
+                          cuda_graph_max_batch=args.max_num_seqs, **overrides)
+    start = time.perf_counter()
+    engine = VllmEngine(qwen3_8b_shaped(args.layers), recipe, options)
+    return engine, recipe, time.perf_counter() - start
+
+
+def fill_random(engine, seed: int = 0) -> None:
+    """Random weights into the engine's own parameters: norms 1, the rest N(0, 0.02); an FP8
+    linear gets the recipe's 128x128 quantization of such a weight."""
+    import torch
+
+    from megatron_jetrl.precision import WEIGHT_BLOCK, quantize_fp8_blockwise
+
+    buffers = engine.weight_buffers()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name, buf in buffers.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if name.endswith("norm.weight"):
+            buf.fill_(1.0)
+        elif buf.dtype == torch.float8_e4m3fn:
+            w = torch.empty(buf.shape, dtype=torch.bfloat16, device=buf.device).normal_(0, 0.02, generator=g)
+            data, scale = quantize_fp8_blockwise(w, WEIGHT_BLOCK)
+            buf.copy_(data)
+            buffers[name + "_scale_inv"].copy_(scale)
+        else:
+            buf.normal_(0, 0.02, generator=g)
+    missing = {n for n in engine.weight_specs() if n not in buffers and not n.endswith(("q_scale", "k_scale",
+                                                                                        "v_scale"))}
+    if missing:
+        raise RuntimeError(f"engine offers no buffer for {sorted(missing)[:3]} (rollout TP 1 should give all)")
+    torch.cuda.synchronize()
+
+
+def decode_child(args) -> dict:
+    import torch
+
+    from megatron_jetrl.rollout import SamplingParams
+
+    engine, _, start_s = _engine(args.mode, args)
+    fill_random(engine)
+    engine.wake()
+    vocab = engine.bridge.dims.vocab_size
+    g = torch.Generator().manual_seed(0)
+    engine.generate(torch.randint(0, vocab, (8, args.prompt_len), generator=g).tolist(),
+                    SamplingParams(max_new_tokens=16, seed=0))  # warm-up
+    free, total = torch.cuda.mem_get_info()
+    out = {"mode": args.mode, "fp8_gemm": args.fp8_gemm, "engine_start_s": start_s,
+           "kv_cache_tokens": engine.kv_cache_tokens, "used_gib": (total - free) / 2**30, "cases": {},
+           "device": _device()}
+    for case in args.cases.split(","):
+        b, t = (int(x) for x in case.split("x"))
+        prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=g).tolist()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=t, seed=1))
+        wall = time.perf_counter() - t0
+        assert all(len(s.tokens) == t for s in samples), "a sample stopped early"
+        out["cases"][case] = {"batch": b, "tokens": t, "wall_s": wall, "tok_s": b * t / wall}
+        print(f"[{args.mode}] {case}: {b * t / wall:.0f} tok/s ({wall:.1f} s)", flush=True)
+    if args.profile:
+        out["profile"] = profile_decode(engine, vocab, args.prompt_len)
+    engine.close()
+    return out
+
+
+def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps: int = 32) -> dict:
+    """GPU kernel time of ``steps`` decode steps at ``batch``, by class: a profile of prefill plus
+    ``steps`` new tokens minus one of the same prefill with one new token (after a warm-up)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_jetrl.rollout import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+
+    def kernel_ms(new_tokens: int) -> dict[str, float]:
+        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=2)
+        engine.generate(prompts, params)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(prompts, params)
+        kernels: dict[str, float] = {}
+        for e in prof.key_averages():
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            if us > 0 and not e.key.startswith("cudaGraph") and "Memcpy" not in e.key and "Memset" not in e.key:
+                kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + us / 1e3
+        return kernels
+
+    prefill, whole = kernel_ms(1), kernel_ms(1 + steps)
+    kernels = {k: v - prefill.get(k, 0.0) for k, v in whole.items()}
+    classes: dict[str, float] = {}
+    for key, ms in kernels.items():
+        cls = next((c for c, pat in KERNEL_CLASSES if re.search(pat, key, re.I)), "other")
+        classes[cls] = classes.get(cls, 0.0) + ms
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+    return {"batch": batch, "steps": steps, "classes_ms": classes, "top_kernels_ms": top,
+            "prefill_ms": sum(prefill.values())}
+
+
+def sync_child(args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.bench_weight_sync import copy_bandwidth, make_shards
+    from megatron_jetrl.models import ParallelLayout
+    from megatron_jetrl.sync import SyncPlan, WeightSync
+
+    path = args.path
+    args.gpu_memory_utilization = args.sync_gpu_memory_utilization  # the trainer's shards share the GPU
+    engine, recipe, start_s = _engine("fp8", args, enforce_eager=True,
+                                      weight_update="reload" if path == "reload" else "in_place")
+    plan = SyncPlan(engine.bridge, recipe, ParallelLayout(1, 1), 1, dist.get_world_size())
+    sync = WeightSync(plan, dist.get_rank(), bucket_mb=args.bucket_mb, device=torch.device("cuda", 0))
+    shards, _ = make_shards(sync, "fp8", torch.device("cuda", 0))
+    in_place = path == "in_place"
+    engine.sleep()  # as in the RL step: the engine sleeps (level 2) while the actor trains
+    report = sync.sync(shards, engine, in_place=in_place)  # warm-up
+    totals, reports = [], []
+    for _ in range(args.iters):
+        engine.sleep()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        reports.append(sync.sync(shards, engine, in_place=in_place))
+        if path == "reload":
+            engine.wake()  # closes vLLM's layerwise update
+        torch.cuda.synchronize()
+        totals.append(time.perf_counter() - t0)
+    engine.wake()
+    copy_bw = copy_bandwidth(torch.device("cuda", 0))
+    report = reports[-1]
+    total = statistics.median(totals)
+    engine.close()
+    return {"path": path, "total_s": total, "all_s": totals, "engine_gb": report.engine_bytes / 1e9,
+            "in_place_tensors": report.in_place, "tensors": len(engine.weight_specs()),
+            "phases_s": dict(report.seconds), "copy_gbps": copy_bw / 1e9,
+            "floor_s": report.engine_bytes / copy_bw, "engine_start_s": start_s, "device": _device()}
+
+
+def run_child(kind: str, args, extra: list[str]) -> dict | None:
+    """Run this script as a child (one engine per process) and return its JSON, or None."""
+    out = Path(args.work) / f"{kind}_{extra[0]}.json"
+    env = {**os.environ, **_launch_env(args), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, __file__, "_child", kind, *extra, "--result", str(out), *_common(args)]
+    log = Path(args.work) / f"{kind}_{extra[0]}.log"
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+    print(f"{kind} {extra[0]}: rc={rc} in {time.perf_counter() - t0:.0f} s (log {log})", flush=True)
+    if rc != 0 or not out.is_file():
+        print("\n".join(log.read_text(errors="replace").splitlines()[-40:]), flush=True)
+        return None
+    return json.loads(out.read_text())
+
+
+def _common(args) -> list[str]:
+    return ["--layers", str(args.layers), "--prompt-len", str(args.prompt_len), "--max-len", str(args.max_len),
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-num-seqs", str(args.max_num_seqs),
+            "--fp8-gemm", args.fp8_gemm]
+
+
+# ------------------------------------------------------------------------------------------ RL step
+
+
+def step_runs(args) -> dict:
+    from benchmarks.rl_summary import summarise
+
+    results = {}
+    for mode in ("fp8", "bf16"):
+        run_dir = Path(args.work) / f"step_{mode}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [sys.executable, "-m", "megatron_jetrl.cli", "train", str(ROOT / "benchmarks/configs/qwen3_8b_dims.yaml"),
+               f"run.dir={run_dir}", f"precision.mode={mode}", "rollout.engine=vllm",
+               f"rollout.vllm.gpu_memory_utilization={args.step_gpu_memory_utilization}",
+               f"rollout.vllm.fp8_gemm={args.fp8_gemm}", f"run.steps={args.step_steps}", "log.console=false",
+               "--skip-memory-check"]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        t0 = time.perf_counter()
+        with open(Path(args.work) / f"step_{mode}.log", "w") as f:
+            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        print(f"step {mode}: rc={rc} in {time.perf_counter() - t0:.0f} s", flush=True)
+        metrics = run_dir / "metrics.jsonl"
+        if rc != 0 or not metrics.is_file():
+            print("\n".join((Path(args.work) / f"step_{mode}.log").read_text(errors="replace").splitlines()[-40:]))
+            continue
+        results[mode] = summarise(metrics)
+    (Path(args.work) / "step.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+# ------------------------------------------------------------------------------------------ table
+
+
+def table(args) -> str:
+    work = Path(args.work)
+    load = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
+    decode = {m: load(work / f"decode_{m}.json") for m in MODES}
+    decode = {m: d for m, d in decode.items() if d}
+    sync = {p: load(work / f"sync_{p}.json") for p in ("in_place", "update_weights", "reload")}
+    sync = {p: s for p, s in sync.items() if s}
+    step = load(work / "step.json") or {}
+    lines, headline = [], {}
+    device = next((d["device"] for d in (*decode.values(), *sync.values()) if d), "?")
+    if decode:
+        cases = list(next(iter(decode.values()))["cases"])
+        lines.append(f"== vLLM decode, Qwen3-8B shapes ({args.layers} layers), random weights, prompt "
+                     f"{args.prompt_len}, {device} ==")
+        lines.append(f"{'case BxT':>10} " + " ".join(f"{m + ' tok/s':>12}" for m in decode)
+                     + "".join(f" {m + '/bf16':>10}" for m in decode if m != "bf16"))
+        for c in cases:
+            row = {m: d["cases"].get(c, {}).get("tok_s") for m, d in decode.items()}
+            ratios = [(row[m] / row["bf16"]) if row.get("bf16") and row[m] else None for m in decode if m != "bf16"]
+            lines.append(f"{c:>10} " + " ".join(f"{row[m] or float('nan'):>12.0f}" for m in decode)
+                         + "".join(f" {r:>9.2f}x" if r else f" {'—':>10}" for r in ratios))
+        lines.append(f"{'start s':>10} " + " ".join(f"{d['engine_start_s']:>12.0f}" for d in decode.values()))
+        lines.append(f"{'KV tokens':>10} " + " ".join(f"{d['kv_cache_tokens'] or 0:>12}" for d in decode.values()))
+        lines.append(f"{'GPU GiB':>10} " + " ".join(f"{d['used_gib']:>12.1f}" for d in decode.values()))
+        target = args.headline_case
+        if "bf16" in decode and target in decode["bf16"]["cases"]:
+            base = decode["bf16"]["cases"][target]["tok_s"]
+            for m, key in (("fp8", "vllm_decode_fp8_over_bf16"), ("fp8kv", "vllm_decode_fp8kv_over_bf16")):
+                if m in decode and target in decode[m]["cases"]:
+                    headline[key] = decode[m]["cases"][target]["tok_s"] / base
+        for m, d in decode.items():
+            if "profile" in d:
+                p = d["profile"]
+                total = sum(p["classes_ms"].values())
+                lines.append(f"-- kernel time, {m}, {p['steps']} decode steps at batch {p['batch']}: {total:.1f} ms")
+                for cls, ms in sorted(p["classes_ms"].items(), key=lambda kv: -kv[1]):
+                    lines.append(f"   {cls:<20} {ms:>8.1f} ms {100 * ms / total:>5.1f}%")
+    if sync:
+        lines.append(f"\n== sync of the 8B FP8 model into vLLM (train TP 1 -> rollout TP 1), {device} ==")
+        lines.append(f"{'path':>15} {'total s':>9} {'engine GB':>10} {'GB/s':>7} {'floor s':>8} {'x floor':>8} "
+                     f"{'in place':>9}")
+        for p, s in sync.items():
+            lines.append(f"{p:>15} {s['total_s']:>9.4f} {s['engine_gb']:>10.2f} {s['engine_gb'] / s['total_s']:>7.0f} "
+                         f"{s['floor_s']:>8.4f} {s['total_s'] / s['floor_s']:>7.1f}x "
+                         f"{s['in_place_tensors']:>4}/{s['tensors']}")
+        best = min(sync.values(), key=lambda s: s["total_s"])
+        headline["vllm_sync_8b_s"] = best["total_s"]
+    if step:
+        lines.append("\n== RL step with vLLM rollout, Qwen3-8B layer shapes (6 layers), mean s over steps 2.. ==")
+        phases = ("generate", "logprobs", "update", "sync", "step")
+        lines.append(f"{'mode':>6} " + " ".join(f"{p:>9}" for p in phases) + f" {'tok/s/GPU':>10}")
+        for mode, r in step.items():
+            lines.append(f"{mode:>6} " + " ".join(f"{r['seconds'][p]:>9.3f}" for p in phases)
+                         + f" {r['tokens_per_s_per_gpu']:>10.0f}")
+        if {"fp8", "bf16"} <= set(step):
+            lines.append(f"{'bf16/fp8':>6} " + " ".join(
+                f"{step['bf16']['seconds'][p] / step['fp8']['seconds'][p]:>8.2f}x" for p in phases))
+            headline["rl_step_vllm_fp8_over_bf16"] = step["bf16"]["seconds"]["step"] / step["fp8"]["seconds"]["step"]
+    if args.headline and headline:
+        from benchmarks.headline import update
+
+        command = "bash benchmarks/vllm_gpu.sh (python benchmarks/bench_vllm.py decode/sync/step/table)"
+        update(args.headline, headline, device=device, command=command)
+        lines.append(f"\nheadline -> {args.headline}: " + ", ".join(f"{k} {v:.3f}" for k, v in headline.items()))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["decode", "sync", "step", "table", "_child"])
+    p.add_argument("rest", nargs="*")
+    p.add_argument("--modes", default="bf16,fp8,fp8kv")
+    p.add_argument("--cases", default="64x512,256x512,64x4096,256x4096")
+    p.add_argument("--paths", default="in_place,update_weights,reload")
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=4096, help="longest response (sizes max_model_len)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--step-gpu-memory-utilization", type=float, default=0.2)
+    p.add_argument("--sync-gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--step-steps", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--fp8-gemm", default="cutlass", choices=["cutlass", "deep_gemm"])
+    p.add_argument("--bucket-mb", type=float, default=1024)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--headline-case", default="256x4096")
+    p.add_argument("--headline", type=Path)
+    p.add_argument("--work", default="/tmp/bench_vllm")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--result", type=Path)
+    args = p.parse_args(argv)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    if args.command == "_child":
+        kind, value = args.rest
+        if kind == "decode":
+            args.mode = value
+            result = decode_child(args)
+        else:
+            args.path = value
+            result = sync_child(args)
+        args.result.write_text(json.dumps(result, indent=1))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 0
+    if args.command == "decode":
+        for mode in args.modes.split(","):
+            run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else []))
+    elif args.command == "sync":
+        for path in args.paths.split(","):
+            run_child("sync", args, [path, "--iters", str(args.iters), "--bucket-mb", str(args.bucket_mb)])
+    elif args.command == "step":
+        step_runs(args)
+    else:
+        print(table(args))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for f in Path(args.work).glob("*.json"):
+            shutil.copy(f, args.out / f.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# vLLM on the GPU host, one script: install vLLM from the offline bundle (staged into /tmp/vb by
+# the three carrying calls of ../shared/device/vllm/README.md), build the extension, then run what
+# is asked for and print the table last. Logs and results accumulate in /tmp/vllm_gpu_out and
+# /tmp/bench_vllm while the machine stays warm; both go back packed as $OUT/vllm_gpu.tgz (the
+# device tool returns few files).
+#
+#   bash benchmarks/vllm_gpu.sh [--tests "engine rl"] [--decode bf16,fp8,fp8kv] [--cases 64x512,...]
+#                               [--profile] [--sync in_place,update_weights,reload] [--step] [--table]
+#                               [--fp8-gemm cutlass|deep_gemm]
+set -uo pipefail
+tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=cutlass
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests) tests="$2"; shift ;;
+    --decode) decode="$2"; shift ;;
+    --cases) cases="$2"; shift ;;
+    --profile) profile="--profile" ;;
+    --sync) sync="$2"; shift ;;
+    --step) step=1 ;;
+    --table) table=1 ;;
+    --fp8-gemm) gemm="$2"; shift ;;
+    *) echo "unknown argument $1"; exit 2 ;;
+  esac
+  shift
+done
+out=/tmp/vllm_gpu_out
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
+# shellcheck source=benchmarks/gpu_setup.sh
+. benchmarks/gpu_setup.sh
+if [ -d /tmp/vb/.vllm_p1 ]; then
+  BUNDLE_ROOT=/tmp/vb bash /tmp/vb/.vllm_p1/install.sh >"$out/vllm_install.log" 2>&1 \
+    || { tail -30 "$out/vllm_install.log"; exit 1; }
+fi
+[ -d /tmp/vsite/vllm ] || { echo "vLLM is not installed in /tmp/vsite: carry the bundle first"; exit 1; }
+export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
+  HF_HUB_OFFLINE=1 JETRL_REQUIRE_VLLM=1
+python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$out/device.txt" || exit 1
+
+rc=0
+for t in $tests; do
+  case "$t" in
+    engine) f=tests/gpu/test_vllm_engine.py; k="" ;;
+    rl) f=tests/gpu/test_rl_loop.py; k="vllm" ;;
+    *) f=$t; k="" ;;
+  esac
+  t0=$(date +%s)
+  python3 -X faulthandler -m pytest -v -s --tb=short -m gpu "$f" ${k:+-k "$k"} -p no:cacheprovider \
+    >"$out/test_$(basename "$f" .py).log" 2>&1
+  r=$?; [ $r -eq 0 ] || rc=$r
+  echo "$f${k:+ -k $k} rc=$r ($(( $(date +%s) - t0 ))s): $(tail -1 "$out/test_$(basename "$f" .py).log")"
+  grep -E "^(FAILED|ERROR)|Fatal Python error|^E  " "$out/test_$(basename "$f" .py).log" | head -30
+done
+[ -d "$out/rl" ] && python3 benchmarks/rl_summary.py "$out"/rl/*.metrics.jsonl --json "$out/rl_summary.json"
+
+bench=(python3 benchmarks/bench_vllm.py --fp8-gemm "$gemm")
+[ -n "$decode" ] && { "${bench[@]}" decode --modes "$decode" --cases "$cases" $profile || rc=1; }
+[ -n "$sync" ] && { "${bench[@]}" sync --paths "$sync" || rc=1; }
+[ $step -eq 1 ] && { "${bench[@]}" step || rc=1; }
+if [ $table -eq 1 ]; then
+  mkdir -p /tmp/bench_vllm && cp docs/results/headline.json /tmp/bench_vllm/headline.json 2>/dev/null
+  "${bench[@]}" table --headline /tmp/bench_vllm/headline.json
+fi
+tar czf "${OUT:-.}/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm 2>/dev/null
+echo "vllm_gpu rc=$rc"
+exit $rc

@@ -1,0 +1,81 @@
+"""The vLLM benchmark's plumbing (benchmarks/bench_vllm.py, headline.py) on CPU: the headline file
+is written by the script, atomically, one object per key; the table computes its ratios from the
+children's JSON; the RL-step runs it starts are valid jobs. The numbers here are made up for the
+arithmetic; the real ones come from the GPU host (docs/benchmarks.md)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import bench_vllm  # noqa: E402
+from benchmarks.headline import update  # noqa: E402
+
+
+def test_headline_update_keeps_other_keys_and_refuses_non_numbers(tmp_path):
+    path = tmp_path / "results" / "headline.json"
+    update(path, {"a": 1.23456}, device="GPU X", command="cmd a")
+    data = update(path, {"b": 2}, device="GPU Y", command="cmd b")
+    assert data["a"]["value"] == 1.2346 and data["a"]["device"] == "GPU X" and data["b"]["command"] == "cmd b"
+    assert set(data["a"]) == {"value", "device", "command", "date"}
+    assert json.loads(path.read_text()) == data
+    with pytest.raises(ValueError, match="c"):
+        update(path, {"c": float("nan")}, device="GPU", command="x")
+    assert "c" not in json.loads(path.read_text())
+    assert sorted(p.name for p in path.parent.iterdir()) == ["headline.json"]  # no temporary left
+
+
+def _decode(mode, tok_s):
+    cases = {c: {"batch": int(c.split("x")[0]), "tokens": int(c.split("x")[1]), "wall_s": 1.0, "tok_s": v}
+             for c, v in tok_s.items()}
+    return {"mode": mode, "fp8_gemm": "cutlass", "engine_start_s": 90.0, "kv_cache_tokens": 1000, "used_gib": 60.0,
+            "cases": cases, "device": "GPU X"}
+
+
+def test_table_ratios_and_headline(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "decode_bf16.json").write_text(json.dumps(_decode("bf16", {"256x512": 1000.0, "256x4096": 500.0})))
+    (work / "decode_fp8.json").write_text(json.dumps(_decode("fp8", {"256x512": 1100.0, "256x4096": 600.0})))
+    (work / "decode_fp8kv.json").write_text(json.dumps(_decode("fp8kv", {"256x512": 1200.0, "256x4096": 800.0})))
+    (work / "sync_in_place.json").write_text(json.dumps(
+        {"path": "in_place", "total_s": 0.2, "engine_gb": 10.0, "floor_s": 0.1, "in_place_tensors": 5,
+         "tensors": 6, "device": "GPU X"}))
+    (work / "sync_reload.json").write_text(json.dumps(
+        {"path": "reload", "total_s": 0.8, "engine_gb": 10.0, "floor_s": 0.1, "in_place_tensors": 0,
+         "tensors": 6, "device": "GPU X"}))
+    phases = {"generate": 2.0, "logprobs": 1.0, "update": 1.0, "sync": 0.1, "step": 4.0}
+    (work / "step.json").write_text(json.dumps({
+        "fp8": {"seconds": {**phases, "step": 3.2}, "tokens_per_s_per_gpu": 100.0},
+        "bf16": {"seconds": phases, "tokens_per_s_per_gpu": 80.0}}))
+    headline = tmp_path / "headline.json"
+    text = _table(work, headline)
+    assert "1.20x" in text and "1.60x" in text  # 256x4096: fp8 600/500, fp8kv 800/500
+    got = {k: v["value"] for k, v in json.loads(headline.read_text()).items()}
+    assert got == {"vllm_decode_fp8_over_bf16": 1.2, "vllm_decode_fp8kv_over_bf16": 1.6, "vllm_sync_8b_s": 0.2,
+                   "rl_step_vllm_fp8_over_bf16": 1.25}
+    assert json.loads(headline.read_text())["vllm_sync_8b_s"]["device"] == "GPU X"
+
+
+def _table(work: Path, headline: Path) -> str:
+    import argparse
+
+    args = argparse.Namespace(work=str(work), layers=36, prompt_len=256, headline_case="256x4096", headline=headline)
+    return bench_vllm.table(args)
+
+
+def test_the_step_runs_are_valid_jobs():
+    """The overrides bench_vllm's step command passes to ``jetrl train`` load and resolve."""
+    from megatron_jetrl.job import load_job, resolve
+
+    for mode in ("fp8", "bf16"):
+        job = load_job(ROOT / "benchmarks/configs/qwen3_8b_dims.yaml",
+                       [f"precision.mode={mode}", "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=0.2",
+                        "rollout.vllm.fp8_gemm=cutlass", "run.steps=4", "log.console=false"])
+        resolve(job, 1)
+        assert job.rollout.engine == "vllm" and job.rollout.vllm.max_model_len is None
