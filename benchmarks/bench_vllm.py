@@ -160,10 +160,11 @@ def decode_child(args) -> dict:
         assert all(len(s.tokens) == t for s in samples), "a sample stopped early"
         out["cases"][case] = {"batch": b, "tokens": t, "wall_s": wall, "tok_s": b * t / wall}
         print(f"[{args.mode}] {case}: {b * t / wall:.0f} tok/s ({wall:.1f} s)", flush=True)
+        args.result.write_text(json.dumps({**out, "complete": False}, indent=1))  # kept if a later case is cut off
     if args.profile:
         out["profile"] = profile_decode(engine, vocab, args.prompt_len)
     engine.close()
-    return out
+    return {**out, "complete": True}
 
 
 def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps: int = 32) -> dict:
@@ -251,7 +252,7 @@ def run_child(kind: str, args, extra: list[str]) -> dict | None:
     print(f"{kind} {extra[0]}: rc={rc} in {time.perf_counter() - t0:.0f} s (log {log})", flush=True)
     if rc != 0 or not out.is_file():
         print("\n".join(log.read_text(errors="replace").splitlines()[-40:]), flush=True)
-        return None
+        return json.loads(out.read_text()) if out.is_file() else None  # the cases that finished
     return json.loads(out.read_text())
 
 
@@ -317,6 +318,9 @@ def table(args) -> str:
         lines.append(f"{'start s':>10} " + " ".join(f"{d['engine_start_s']:>12.0f}" for d in decode.values()))
         lines.append(f"{'KV tokens':>10} " + " ".join(f"{d['kv_cache_tokens'] or 0:>12}" for d in decode.values()))
         lines.append(f"{'GPU GiB':>10} " + " ".join(f"{d['used_gib']:>12.1f}" for d in decode.values()))
+        cut = [m for m, d in decode.items() if d.get("complete") is False]
+        if cut:
+            lines.append(f"(cut off before all cases finished: {', '.join(cut)}; missing cases show nan)")
         target = args.headline_case
         if "bf16" in decode and target in decode["bf16"]["cases"]:
             base = decode["bf16"]["cases"][target]["tok_s"]

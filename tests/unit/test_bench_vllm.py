@@ -60,6 +60,16 @@ def test_table_ratios_and_headline(tmp_path):
     assert got == {"vllm_decode_fp8_over_bf16": 1.2, "vllm_decode_fp8kv_over_bf16": 1.6, "vllm_sync_8b_s": 0.2,
                    "rl_step_vllm_fp8_over_bf16": 1.25}
     assert json.loads(headline.read_text())["vllm_sync_8b_s"]["device"] == "GPU X"
+    assert "cut off" not in text
+
+
+def test_table_marks_a_mode_cut_off_before_its_cases_finished(tmp_path):
+    (tmp_path / "decode_bf16.json").write_text(json.dumps(_decode("bf16", {"256x512": 1000.0, "256x4096": 500.0})))
+    (tmp_path / "decode_fp8.json").write_text(json.dumps({**_decode("fp8", {"256x512": 1100.0}), "complete": False}))
+    headline = tmp_path / "headline.json"
+    text = _table(tmp_path, headline)
+    assert "cut off before all cases finished: fp8" in text and "1.10x" in text
+    assert not headline.exists()  # the headline case (256x4096) has no FP8 number: nothing written
 
 
 def _table(work: Path, headline: Path) -> str:
