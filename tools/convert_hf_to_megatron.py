@@ -14,11 +14,6 @@ import argparse
 import sys
 import time
 
-from megatron_jetrl.actor.checkpoint import save_hf_as_megatron
-from megatron_jetrl.config import ConfigError
-from megatron_jetrl.models import bridge_for
-from megatron_jetrl.models.hf_checkpoint import CheckpointError, HFCheckpoint, atomic_output_dir
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,11 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", required=True, help="where to write the megatron-core checkpoint")
     parser.add_argument("--force", action="store_true", help="replace --out-dir if it exists")
     args = parser.parse_args(argv)
+    # imported after the arguments are parsed: --help and argument errors answer at once
+    from megatron_jetrl.actor.checkpoint import save_hf_as_megatron
+    from megatron_jetrl.config import ConfigError
+    from megatron_jetrl.models import bridge_for
+    from megatron_jetrl.models.hf_checkpoint import CheckpointError, HFCheckpoint, atomic_output_dir
+
     try:
         hf = HFCheckpoint(args.hf_dir)
         bridge = bridge_for(hf.config)
         start = time.time()
-        with atomic_output_dir(args.out_dir, force=args.force) as tmp:
+        with atomic_output_dir(args.out_dir, force=args.force, inputs=(args.hf_dir,)) as tmp:
             save_hf_as_megatron(bridge, hf, tmp, progress=True)
         print(f"wrote {args.out_dir} ({bridge.architecture}, {bridge.dims.num_layers} layers) "
               f"in {time.time() - start:.1f}s")

@@ -16,10 +16,10 @@ import argparse
 import sys
 import time
 
-from megatron_jetrl.actor.checkpoint import read_megatron_as_hf
-from megatron_jetrl.config import ConfigError
-from megatron_jetrl.models.hf_checkpoint import CheckpointError, atomic_output_dir
-from megatron_jetrl.precision import Fp8Options, PrecisionRecipe
+from pathlib import Path
+
+FP8_ONLY = ("--pow2-scales", "--bf16-first-layers", "--bf16-last-layers")
+"""Options that shape the FP8 export and mean nothing without ``--fp8-block``."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,16 +33,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit (GB)")
     parser.add_argument("--force", action="store_true", help="replace --out-dir if it exists")
     args = parser.parse_args(argv)
+    given = [flag for flag, value in zip(FP8_ONLY, (args.pow2_scales, args.bf16_first_layers, args.bf16_last_layers),
+                                         strict=True) if value]
+    problem = None
+    if given and not args.fp8_block:
+        problem = f"{', '.join(given)} only apply to the FP8 export: add --fp8-block, or drop them"
+    elif not Path(args.ckpt_dir).is_dir():
+        problem = (f"--ckpt-dir {args.ckpt_dir} does not exist (a directory written by convert_hf_to_megatron or a "
+                   "run's checkpoints/step_*/actor)")
+    elif args.max_shard_gb <= 0:
+        problem = f"--max-shard-gb must be positive; got {args.max_shard_gb}"
+    if problem:
+        print(f"convert_megatron_to_hf: error: {problem}", file=sys.stderr)
+        return 2
+    # imported after the arguments are checked: --help and argument errors answer at once
+    from megatron_jetrl.actor.checkpoint import read_megatron_as_hf
+    from megatron_jetrl.config import ConfigError
+    from megatron_jetrl.models.hf_checkpoint import CheckpointError, atomic_output_dir
+    from megatron_jetrl.precision import Fp8Options, PrecisionRecipe
+
     try:
-        if args.max_shard_gb <= 0:
-            raise ValueError(f"--max-shard-gb must be positive; got {args.max_shard_gb}")
         recipe = None
         if args.fp8_block:
             recipe = PrecisionRecipe(fp8=Fp8Options(pow2_scales=args.pow2_scales,
                                                     bf16_first_layers=args.bf16_first_layers,
                                                     bf16_last_layers=args.bf16_last_layers))
         start = time.time()
-        with atomic_output_dir(args.out_dir, force=args.force) as tmp:
+        with atomic_output_dir(args.out_dir, force=args.force, inputs=(args.ckpt_dir,)) as tmp:
             read_megatron_as_hf(args.ckpt_dir, tmp, fp8_recipe=recipe,
                                 max_shard_bytes=int(args.max_shard_gb * 2**30), progress=True)
         print(f"wrote {args.out_dir}{' (FP8 block)' if recipe else ''} in {time.time() - start:.1f}s")

@@ -10,9 +10,12 @@ output only when complete.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
+import socket
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,16 +45,58 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
            "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; a ``CheckpointError`` naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
 class SafetensorsFile:
     """One .safetensors file: header parsed once, tensors read with pread."""
 
+    MAX_HEADER_BYTES = 100_000_000
+    """safetensors' own limit."""
+
     def __init__(self, path: Path):
         self.path = path
+        size = path.stat().st_size
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            self.header: dict[str, Any] = json.loads(f.read(n))
-        self.header.pop("__metadata__", None)
+            if size < 8 or not 2 <= n <= min(self.MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(f"{path}: not a safetensors file (its header claims {n} bytes; the file has "
+                                      f"{size}): truncated or corrupt, download or convert it again")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+        header.pop("__metadata__", None)
+        self.header: dict[str, Any] = header
         self.data_start = 8 + n
+        data_bytes = size - self.data_start
+        for name, h in header.items():
+            try:
+                begin, end = (int(x) for x in h["data_offsets"])
+                shape = [int(x) for x in h["shape"]]
+                dtype = h["dtype"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {h!r}") from None
+            if not 0 <= begin <= end:
+                raise CheckpointError(f"{path}: tensor {name!r} has data offsets [{begin}, {end}]")
+            if end > data_bytes:
+                raise CheckpointError(f"{path}: the file is truncated: tensor {name!r} ends at byte {end} of the "
+                                      f"data, the file holds {data_bytes}; download or convert it again")
+            if dtype in _DTYPES:
+                want = _nbytes(_DTYPES[dtype], tuple(shape))
+                if end - begin != want:
+                    raise CheckpointError(f"{path}: tensor {name!r} ({dtype} {shape}) needs {want} bytes; its header "
+                                          f"gives {end - begin}")
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -90,10 +135,13 @@ class HFCheckpoint:
         config_path = self.path / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{self.path} has no config.json; is it a Hugging Face model directory?")
-        self.config: dict[str, Any] = json.loads(config_path.read_text())
+        self.config: dict[str, Any] = read_json(config_path)
         index = self.path / INDEX
         if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: has no \"weight_map\" object")
+            self.weight_map: dict[str, str] = weight_map
         elif (self.path / SINGLE).is_file():
             self.weight_map = {name: SINGLE for name in SafetensorsFile(self.path / SINGLE).keys()}
         else:
@@ -230,26 +278,82 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return n
 
 
+_OWNER = ".owner"
+"""In a temporary output directory: ``host pid`` of the process writing it."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_outputs(out: Path) -> list[Path]:
+    """Remove ``.NAME.tmp-PID`` / ``.NAME.old-PID`` directories next to ``out`` left by a writer on
+    this host that no longer runs (a conversion killed before it could clean up); returns them.
+    Directories of live writers, or of writers on other hosts, are left alone."""
+    removed = []
+    host = socket.gethostname()
+    for kind in ("tmp", "old"):
+        for path in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
+            pid_text = path.name.rpartition("-")[2]
+            if not (path.is_dir() and pid_text.isdigit()):
+                continue
+            owner = path / _OWNER
+            owner_host = owner.read_text().split()[0] if owner.is_file() and owner.read_text().split() else host
+            # an .old- directory is the previous output until the new one took its place
+            if owner_host == host and not _pid_alive(int(pid_text)) and (kind == "tmp" or out.exists()):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def check_output_dir(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """``out`` as a path a converter may replace: not the working directory or a parent of it, and
+    neither an input nor a directory holding one (replacing it would delete the input)."""
+    out_path = Path(out)
+    resolved = out_path.resolve()
+    if resolved == Path.cwd().resolve() or resolved in Path.cwd().resolve().parents:
+        raise ValueError(f"--out-dir {out} is the working directory or holds it; name a new directory")
+    for source in inputs:
+        src = Path(source).resolve()
+        if resolved == src or resolved in src.parents:
+            raise ValueError(f"--out-dir {out} is the input {source} or holds it; writing there would replace "
+                             "the input: name another directory")
+    return out_path
+
+
 @contextmanager
-def atomic_output_dir(out: str | os.PathLike, *, force: bool) -> Iterator[Path]:
+def atomic_output_dir(out: str | os.PathLike, *, force: bool,
+                      inputs: tuple[str | os.PathLike, ...] = ()) -> Iterator[Path]:
     """A temporary directory next to ``out`` that becomes ``out`` only if the block succeeds.
 
-    Refuses an existing ``out`` unless ``force``; then the old directory is replaced only after the
-    new one is complete. On any error the temporary directory is removed and ``out`` is untouched.
+    Refuses an ``out`` that is the working directory or an input (``check_output_dir``), and an
+    existing ``out`` unless ``force``; then the old directory is replaced only after the new one is
+    complete. On any error the temporary directory is removed and ``out`` is untouched; one left
+    by a killed writer is removed by the next run (``remove_stale_outputs``).
     """
-    out = Path(out)
+    out = check_output_dir(out, inputs)
     if out.exists() and not force:
         raise FileExistsError(f"output {out} already exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in remove_stale_outputs(out):
+        print(f"removed {stale}, the partial output of a conversion that was killed", file=sys.stderr)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    (tmp / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    (tmp / _OWNER).unlink()
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists():
         os.replace(out, old)

@@ -182,3 +182,100 @@ def test_checkpoint_not_matching_its_config_fails_before_writing(converted, tmp_
     err = capsys.readouterr().err
     assert "decoder.layers.mlp.linear_fc1.weight" in err and "has shape" in err, err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+# ---- bad files: one line naming the file and the problem, nothing written
+
+
+def _first_shard(hf: Path) -> Path:
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    return hf / sorted(set(index["weight_map"].values()))[0]
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("fault", ["absurd header size", "header not json", "truncated shard", "broken config",
+                                   "broken index"])
+def test_a_broken_file_is_named_in_one_line(converted, tmp_path, capsys, fault):
+    arch, root = converted
+
+    def edit(hf):
+        shard = _first_shard(hf)
+        data = shard.read_bytes()
+        if fault == "absurd header size":
+            shard.write_bytes((2**63).to_bytes(8, "little") + data[8:])
+        elif fault == "header not json":
+            n = int.from_bytes(data[:8], "little")
+            shard.write_bytes(data[:8] + b"\xff" * n + data[8 + n:])
+        elif fault == "truncated shard":
+            shard.write_bytes(data[: len(data) - 100])
+        elif fault == "broken config":
+            (hf / "config.json").write_text('{"architectures": [')
+        else:
+            (hf / "model.safetensors.index.json").write_text("[]")
+
+    hf = _broken_copy(root, tmp_path, edit)
+    out = tmp_path / "out"
+    assert to_megatron(["--hf-dir", str(hf), "--out-dir", str(out)]) == 2
+    err = _one_line(capsys)
+    named = {"broken config": "config.json", "broken index": "model.safetensors.index.json"}.get(fault)
+    assert str(hf / named) in err if named else _first_shard(hf).name in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_a_killed_conversions_partial_output_is_removed_by_the_next_run(converted, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    arch, root = converted
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".out.tmp-{dead.pid}"  # what SIGKILL leaves: no cleanup ran
+    stale.mkdir()
+    (stale / "part.safetensors").write_bytes(b"x" * 1000)
+    assert to_megatron(["--hf-dir", str(root / "hf"), "--out-dir", str(tmp_path / "out")]) == 0
+    assert not stale.exists() and (tmp_path / "out").is_dir()
+    assert "partial output of a conversion that was killed" in capsys.readouterr().err
+    assert not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("where", ["input", "parent of input", "working directory"])
+def test_an_output_that_would_replace_the_input_is_refused(converted, tmp_path, capsys, monkeypatch, where):
+    arch, root = converted
+    hf = _broken_copy(root, tmp_path, lambda hf: None)
+    before = sorted(p.name for p in hf.iterdir())
+    out = {"input": hf, "parent of input": tmp_path, "working directory": Path(".")}[where]
+    monkeypatch.chdir(tmp_path)
+    assert to_megatron(["--hf-dir", str(hf), "--out-dir", str(out), "--force"]) == 2
+    assert "--out-dir" in _one_line(capsys)
+    assert sorted(p.name for p in hf.iterdir()) == before
+    assert to_hf(["--ckpt-dir", str(root / "mg"), "--out-dir", str(root / "mg"), "--force"]) == 2
+    assert "--out-dir" in _one_line(capsys) and (root / "mg" / "hf" / "config.json").is_file()
+
+
+def test_export_arguments_are_checked_before_any_work(converted, tmp_path, capsys):
+    arch, root = converted
+    assert to_hf(["--ckpt-dir", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "o")]) == 2
+    assert "does not exist" in _one_line(capsys)
+    for flag in (["--pow2-scales"], ["--bf16-first-layers", "1"], ["--bf16-last-layers", "2"]):
+        assert to_hf(["--ckpt-dir", str(root / "mg"), "--out-dir", str(tmp_path / "o"), *flag]) == 2
+        assert "--fp8-block" in _one_line(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_answers_without_importing_the_backends():
+    import subprocess
+    import sys
+
+    for tool in ("convert_hf_to_megatron", "convert_megatron_to_hf"):
+        code = ("import runpy, sys; sys.argv = ['x', '--help']\n"
+                f"try:\n    runpy.run_path('tools/{tool}.py', run_name='__main__')\n"
+                "except SystemExit:\n    pass\n"
+                "assert not any(m.startswith(('megatron', 'torch')) for m in sys.modules), 'imported a backend'")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+        assert proc.returncode == 0 and "usage" in proc.stdout and proc.stderr == "", proc.stderr
