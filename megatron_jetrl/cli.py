@@ -140,6 +140,7 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     # device_id every one of megatron's process groups gets one at once: 6.5 GiB per GPU for a
     # world of 1 on an H100 (benchmarks.md, "NCCL communicators"), most of them never used.
     dist.init_process_group("nccl")
+    from megatron_jetrl.models.hf_checkpoint import CheckpointError
     from megatron_jetrl.trainer import Trainer
 
     run_dir = Path(job.run.dir)
@@ -154,6 +155,10 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     trainer = Trainer(job, resolved, data, run_dir=run_dir)
     try:
         return trainer.run(preemption)
+    except CheckpointError as e:  # every rank agreed on it (Trainer._resume): one line, from rank 0
+        if dist.get_rank() == 0:
+            print(f"checkpoint error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     finally:
         trainer.close()
         dist.destroy_process_group()

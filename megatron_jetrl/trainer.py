@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_jetrl.actor import OptimizerSettings
 from megatron_jetrl.algo import advantages as compute_advantages
@@ -36,6 +37,7 @@ from megatron_jetrl.data.filters import overlong_penalty
 from megatron_jetrl.data.rewards import build_reward
 from megatron_jetrl.data.sampler import PromptSampler
 from megatron_jetrl.job import JobConfig, JobData, Resolved
+from megatron_jetrl.models.hf_checkpoint import CheckpointError
 from megatron_jetrl.precision.kv_cache import kv_scale_names
 from megatron_jetrl.rollout import RolloutEngine, SamplingParams
 from megatron_jetrl.rollouts import Group, Response, StepRollouts, prompt_major, replica_share, supervised_batch
@@ -261,7 +263,7 @@ class Trainer:
         if self.job.algo.loss.kl_coef > 0:
             self.actor.keep_reference()
         if not fresh:
-            self._restore(latest)
+            self._resume()
             self.console.close()
             self.console = ConsoleView(self.job.run.steps, enabled=self.rank == 0 and self.job.log.console,
                                        start_step=self.step)
@@ -302,6 +304,25 @@ class Trainer:
             save_json_atomic(staging / "trainer_state.json", state)
         self.checkpoints.commit(self.step)
         self.console.log(f"checkpoint step {self.step} saved in {time.perf_counter() - start:.1f} s")
+
+    def _resume(self) -> None:
+        """Restore the newest checkpoint every rank can read; an unreadable one (a file missing,
+        truncated or corrupt) is named and the one before it is tried. Raises, naming each
+        checkpoint and its problem, when none can be read."""
+        problems = []
+        for checkpoint in self.checkpoints.candidates():
+            try:
+                self._restore(checkpoint)
+                problem = None
+            except (Exception, CheckpointException) as e:  # dcp's CheckpointException is a BaseException
+                problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if not self._any_rank(problem is not None):
+                return
+            problems.append(f"{checkpoint.name}: {problem or 'unreadable on another rank'}")
+            self.console.log(f"WARNING: checkpoint {checkpoint} cannot be read ({problems[-1]}); "
+                             "trying the one before it")
+        raise CheckpointError(f"no checkpoint in {self.checkpoints.root} can be read ({'; '.join(problems)}); "
+                              "move the broken ones away, or start over in a new run.dir")
 
     def _restore(self, checkpoint: Path) -> None:
         state = json.loads((checkpoint / "trainer_state.json").read_text())

@@ -154,6 +154,14 @@ class RunCheckpoints:
         steps = self._complete_steps()
         return self.step_dir(steps[-1]) if steps else None
 
+    def candidates(self) -> list[Path]:
+        """Complete checkpoints to resume from, best first: ``latest()``, then the older complete
+        ones, newest first (to fall back on when one cannot be read). Local (no collective)."""
+        first = self.latest()
+        if first is None:
+            return []
+        return [first] + [self.step_dir(s) for s in reversed(self._complete_steps()) if s < self.step_of(first)]
+
     def clean_stale(self) -> list[Path]:
         """Collective. Rank 0 removes what a crash left: every ``*.tmp`` entry of ``checkpoints/``
         (staging dirs, half-pruned dirs, temp files of atomic writes). Call once at start, before

@@ -287,3 +287,35 @@ def test_an_engine_that_discards_its_weights_in_sleep_gets_them_again(tmp_path, 
     for step in range(1, 5):
         for key in SAME:
             assert got[step][key] == want[step][key], (step, key)
+
+
+@pytest.mark.parametrize("damage", ["trainer state not JSON", "actor file missing", "actor file truncated"])
+def test_an_unreadable_checkpoint_falls_back_to_the_one_before(tmp_path, process_group, capsys, damage):
+    """Resuming skips a damaged newest checkpoint, naming it, and continues from the one before,
+    exactly as a run resumed from that one would; with none readable it stops naming each."""
+    assert _run(tmp_path / "whole", "run.steps=6", "run.save_every=2", "run.keep_last=3") == 0
+    want = _rows(tmp_path / "whole")
+    assert _run(tmp_path / "cut", "run.steps=4", "run.save_every=2", "run.keep_last=3") == 0
+    newest = tmp_path / "cut" / "checkpoints" / "step_00000004"
+    state, actor_file = newest / "trainer_state.json", newest / "actor" / "fake_rank0.pt"
+    if damage == "trainer state not JSON":
+        state.write_text(state.read_text()[:20])
+    elif damage == "actor file missing":
+        actor_file.unlink()
+    else:
+        actor_file.write_bytes(actor_file.read_bytes()[:100])
+    capsys.readouterr()
+    assert _run(tmp_path / "cut", "run.steps=6", "run.save_every=2", "run.keep_last=3") == 0
+    out = capsys.readouterr()
+    assert f"checkpoint {newest} cannot be read" in out.out + out.err
+    got = _rows(tmp_path / "cut")
+    for step in range(3, 7):  # redone from step 2's checkpoint: the same steps as the whole run
+        for key in SAME:
+            assert got[step][key] == want[step][key], (step, key)
+
+    from megatron_jetrl.models.hf_checkpoint import CheckpointError
+
+    for step_dir in (tmp_path / "cut" / "checkpoints").glob("step_*"):
+        (step_dir / "trainer_state.json").write_text("{")
+    with pytest.raises(CheckpointError, match="no checkpoint in .* can be read .*step_00000006.*step_00000004"):
+        _run(tmp_path / "cut", "run.steps=8")
