@@ -24,7 +24,7 @@ import yaml
 from megatron_jetrl import launch
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.estimate import gpu_capacity
-from megatron_jetrl.job import JobConfig, Resolved, load_data, load_job, resolve
+from megatron_jetrl.job import JobConfig, Resolved, load_data, load_job, missing_inputs, resolve
 from megatron_jetrl.runtime.signals import PreemptionSignal
 
 EXIT_CONFIG = 2
@@ -61,7 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return check(job, args)
         return train(job, args)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        # every rank of a launch reads the same config: one message, from rank 0 (an error in a
+        # rank's own environment is printed by that rank)
+        rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+        if rank == "0" or e.key.startswith("environment:"):
+            print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
 
@@ -71,6 +75,10 @@ def check(job: JobConfig, args: argparse.Namespace) -> int:
                         ("--gpus-per-node", args.gpus_per_node)):
         if value is not None and value < 1:
             raise ConfigError(flag, value, "must be >= 1")
+    if args.world_size is not None and args.nodes is not None and args.world_size != args.nodes * args.gpus_per_node:
+        raise ConfigError("--world-size", args.world_size,
+                          f"contradicts --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = "
+                          f"{args.nodes * args.gpus_per_node}; give one of them")
     if args.world_size is not None:
         world = args.world_size
     elif args.nodes is not None:
@@ -80,22 +88,34 @@ def check(job: JobConfig, args: argparse.Namespace) -> int:
     per_node = min(args.gpus_per_node, world)
     if world % per_node:
         raise ConfigError("--world-size", world, f"must be a multiple of --gpus-per-node ({per_node})")
-    resolved = resolve(job, world)
+    missing = missing_inputs(job)  # a user plans before downloading: warn, plan from what is here
+    plan_config = None
+    if any(key == "model.hf_config" for key, _, _ in missing):
+        if job.model.plan_config is None:
+            raise ConfigError("model.hf_config", job.model.hf_config,
+                              "no config.json there yet: download the model, or set model.plan_config to a config.json "
+                              "of the same model to plan with (the recipes point at examples/configs/models/)")
+        plan_config = job.model.plan_config_dict()
+    resolved = resolve(job, world, hf_config=plan_config)
     launch.check_parallel_layout(world // per_node, per_node, job.actor.parallel, resolved.rollout_tp)
-    load_data(job, resolved)
+    unchecked = [key for key, _, _ in missing if key != "model.checkpoint"]  # what the data check reads
+    if not unchecked:
+        load_data(job, resolved)
     print("\n".join(resolved.describe(job, capacity)))
     print(f"run dir      {job.run.dir}")
+    if plan_config is not None:
+        print(f"planned with model.plan_config {job.model.plan_config}")
+    for key, path, fix in missing:
+        print(f"WARNING: {key} {path} does not exist yet: {fix} (jetrl train needs it)")
+    if unchecked:
+        print("WARNING: tokenizer and data not checked (they need the files above)")
     problems = resolved.memory.problems(capacity)
     for line in problems:
         print(f"WARNING: {line}")
-    if job.rollout.engine == "vllm":  # planning may happen on a machine without the engine
-        from megatron_jetrl.rollout.vllm_engine import require_vllm_version
-
-        try:
-            require_vllm_version()
-        except ConfigError as e:
-            print(f"WARNING: {e} (jetrl train needs it on the GPU hosts)")
-    print("config OK" + (", but it does not fit in memory (see WARNING)" if problems else ""))
+    for problem in machine_problems(job):  # planning may happen on a machine without them
+        print(f"WARNING: {problem} (jetrl train needs it on the GPU hosts)")
+    print("config OK" + (", but it does not fit in memory (see WARNING)" if problems else "")
+          + (f"; {len(missing)} input(s) still to fetch (see WARNING)" if missing else ""))
     return 0
 
 
@@ -109,14 +129,18 @@ def train(job: JobConfig, args: argparse.Namespace) -> int:
 def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSignal) -> int:
     if args.smoke and not args.smoke_step_seconds >= 0:  # a bad flag before the data is loaded
         raise ConfigError("--smoke-step-seconds", args.smoke_step_seconds, "must be >= 0")
+    missing = missing_inputs(job)
+    if missing:
+        raise ConfigError(missing[0][0], missing[0][1], "does not exist: " + "; ".join(
+            f"{fix}" if i == 0 else f"also {key} {path}: {fix}" for i, (key, path, fix) in enumerate(missing)))
     placement = launch.detect(os.environ)
     resolved = resolve(job, placement.world_size)  # layout and data errors before any GPU work
     launch.check_parallel_layout(placement.num_nodes, placement.local_world_size, job.actor.parallel,
                                  resolved.rollout_tp)
-    if job.rollout.engine == "vllm" and not args.smoke:  # before the data, the model and the warm-up
-        from megatron_jetrl.rollout.vllm_engine import require_vllm_version
-
-        require_vllm_version()
+    if not args.smoke:  # before the data, the model and the warm-up
+        problems = machine_problems(job)
+        if problems:
+            raise problems[0]
     data = load_data(job, resolved)
     os.environ.update(placement.torch_env())
     launch.apply_env(os.environ, backend_env(job, resolved), launch.BACKEND_DEFAULTS)
@@ -162,6 +186,25 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     finally:
         trainer.close()
         dist.destroy_process_group()
+
+
+def machine_problems(job: JobConfig) -> list[ConfigError]:
+    """What this machine lacks for the job (a supported vLLM, the math checker): warnings for
+    ``jetrl check``, which may run elsewhere; errors for ``jetrl train``."""
+    from megatron_jetrl.data.rewards import require_math_checker
+
+    problems = []
+    checks = [lambda: require_math_checker(job.reward)]
+    if job.rollout.engine == "vllm":
+        from megatron_jetrl.rollout.vllm_engine import require_vllm_version
+
+        checks.append(require_vllm_version)
+    for check_one in checks:
+        try:
+            check_one()
+        except ConfigError as e:
+            problems.append(e)
+    return problems
 
 
 def check_memory(resolved: Resolved, capacity: float, *, skip: bool) -> list[str]:

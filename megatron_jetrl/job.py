@@ -69,12 +69,16 @@ class ModelSettings:
     ``config``: entries merged over it, or the whole HF config when ``hf_config`` is not set.
     ``checkpoint``: initial weights, a megatron checkpoint from ``tools/convert_hf_to_megatron.py``
     (or a run's checkpoint); unset means random initialisation (synthetic tasks). ``tokenizer``:
-    ``synthetic:<task>`` or an HF tokenizer directory (default: the ``hf_config`` directory)."""
+    ``synthetic:<task>`` or an HF tokenizer directory (default: the ``hf_config`` directory).
+    ``plan_config``: a config.json of the same model that ``jetrl check`` plans with while
+    ``hf_config`` is not downloaded yet (the recipes point at the shipped ones); ``jetrl train``
+    never uses it."""
 
     hf_config: Optional[str] = None
     config: dict = field(default_factory=dict)
     checkpoint: Optional[str] = None
     tokenizer: Optional[str] = None
+    plan_config: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.hf_config is None and not self.config:
@@ -95,6 +99,24 @@ class ModelSettings:
                 base = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError("model.hf_config", str(path), f"is not valid JSON: {e}") from None
+        return {**base, **self.config}
+
+    def config_path(self) -> Optional[Path]:
+        """The config.json ``hf_config`` names (whether or not it exists); None when inline."""
+        if self.hf_config is None:
+            return None
+        path = Path(self.hf_config)
+        return path if path.suffix == ".json" else path / "config.json"
+
+    def plan_config_dict(self) -> dict[str, Any]:
+        """``plan_config``'s entries, then ``config``'s (``jetrl check`` before the download)."""
+        path = Path(self.plan_config)
+        if not path.is_file():
+            raise ConfigError("model.plan_config", self.plan_config, "no such file")
+        try:
+            base = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError("model.plan_config", self.plan_config, f"is not valid JSON: {e}") from None
         return {**base, **self.config}
 
     @property
@@ -195,6 +217,10 @@ def load_job(path: str | Path | None, overrides: Sequence[str] = (), *, raw: Map
 
 def _check_together(job: JobConfig) -> None:
     """Rules across sections (each section validated itself already)."""
+    if job.actor.fp8_backend == "te" and job.precision.train_fp8:
+        raise ConfigError("actor.fp8_backend", "te",
+                          "cannot hand its FP8 weights to the rollout engine yet (the weight sync reads them from the "
+                          "native FP8 linears only); use actor.fp8_backend=native")
     if job.rollout.fp8_kv_cache and not job.precision.rollout_fp8:
         raise ConfigError("rollout.vllm.kv_cache_dtype", "fp8",
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
@@ -205,13 +231,38 @@ def _check_together(job: JobConfig) -> None:
                           "data max_prompt_tokens + rollout.sampling.max_new_tokens); leave it unset to use that")
 
 
-def resolve(job: JobConfig, world_size: int) -> "Resolved":
+def missing_inputs(job: JobConfig) -> list[tuple[str, str, str]]:
+    """What the job reads from disk that is not there yet, as (key, path, what to do): the model's
+    config.json, the initial checkpoint, the tokenizer directory, the data files. ``jetrl check``
+    plans without them (warnings); ``jetrl train`` refuses to start without them."""
+    from megatron_jetrl.data.tokenizer import SYNTHETIC_PREFIX
+
+    missing = []
+    config = job.model.config_path()
+    if config is not None and not config.is_file():
+        missing.append(("model.hf_config", job.model.hf_config,
+                        "download the model (e.g. `hf download <repo> --local-dir <dir>`)"))
+    if job.model.checkpoint is not None and not Path(job.model.checkpoint).exists():
+        missing.append(("model.checkpoint", job.model.checkpoint,
+                        "convert the model (tools/convert_hf_to_megatron.py, examples/slurm/convert.sbatch)"))
+    tokenizer = job.model.tokenizer_spec
+    if not tokenizer.startswith(SYNTHETIC_PREFIX) and not Path(tokenizer).expanduser().exists():
+        if job.model.tokenizer is not None:  # else it is the model's directory, named above
+            missing.append(("model.tokenizer", tokenizer, "download the model's tokenizer files"))
+    for key, settings in (("data.train", job.data.train), ("data.eval", job.data.eval)):
+        if settings is not None and settings.path is not None and not Path(settings.path).exists():
+            missing.append((f"{key}.path", settings.path, "put the data file there"))
+    return missing
+
+
+def resolve(job: JobConfig, world_size: int, hf_config: Optional[dict[str, Any]] = None) -> "Resolved":
     """The model, layout and memory estimate for ``world_size`` processes, without a GPU.
-    Raises ``ConfigError`` when the layout does not divide the world or the model."""
+    Raises ``ConfigError`` when the layout does not divide the world or the model. ``hf_config``:
+    plan with this config instead of the job's (``jetrl check`` before the download)."""
     from megatron_jetrl.estimate import estimate_memory
 
     check_integer("world_size", world_size, minimum=1)
-    hf_config = job.model.hf_config_dict()
+    hf_config = job.model.hf_config_dict() if hf_config is None else hf_config
     bridge = bridge_for(hf_config)
     bridge.check_layout(job.actor.parallel)
     job.precision.layer_in_fp8(0, bridge.dims.num_layers)

@@ -59,6 +59,13 @@ def load_tokenizer(spec: str) -> Tokenizer:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError("model.tokenizer", spec, f"not a loadable HF tokenizer directory ({e})") from e
+    probe = "What is 12 + 30? Answer: 42."
+    if len(tok) < 2 or not tok.encode(probe, add_special_tokens=False):
+        files = sorted(p.name for p in path.iterdir()) if path.is_dir() else [path.name]
+        raise ConfigError("model.tokenizer", spec,
+                          f"is not a usable tokenizer: {len(tok)} token(s), {probe!r} encodes to "
+                          f"{tok.encode(probe, add_special_tokens=False)} (the directory holds {files[:6]}); it needs "
+                          "the model's tokenizer files (tokenizer.json / tokenizer_config.json ...): download them")
     if tok.eos_token_id is None:
         raise ConfigError("model.tokenizer", spec, "the tokenizer has no EOS token; generation could not stop")
     if tok.pad_token_id is None:

@@ -3,17 +3,17 @@ plan, in FP8 and in the one-key BF16/FP16 variants; a layout that does not fit i
 with what to change. Only the paths are overridden: a model directory holding the shipped
 config.json (examples/configs/models/) and a stand-in tokenizer, and DAPO-schema JSONL data."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from megatron_jetrl.cli import backend_env, check_memory, main
+from megatron_jetrl.cli import backend_env, check_memory, machine_problems, main
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.estimate import GPU_MEMORY_GIB, GiB, gpu_capacity
 from megatron_jetrl.job import load_job, resolve
-from megatron_jetrl.rollout.vllm_engine import require_vllm_version
 from tests.helpers import tiny_hf_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,8 @@ def paths(tmp_path_factory):
 
 
 def overrides(paths, size):
-    return [f"model.hf_config={paths[size]}", f"data.train.path={paths['data']}", f"data.eval.path={paths['data']}"]
+    return [f"model.hf_config={paths[size]}", f"data.train.path={paths['data']}", f"data.eval.path={paths['data']}",
+            "model.checkpoint=null"]
 
 
 @pytest.mark.parametrize("mode", ["fp8", "bf16", "fp16", "bf16-train+fp8-rollout"])
@@ -49,14 +50,11 @@ def test_recipe_checks_and_fits_an_h100(paths, capsys, size, mode):
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "config OK" in out.out and "does not fit" not in out.out
-    # the only warning allowed: this machine's vLLM (the recipes use rollout.engine=vllm), and only
-    # where vLLM is missing or of an unsupported version
+    # the only warnings allowed: what this machine lacks (a supported vLLM, math_verify), and only
+    # where it lacks them
     warnings = [line for line in out.out.splitlines() if line.startswith("WARNING")]
-    try:
-        require_vllm_version()
-        assert warnings == []
-    except ConfigError:
-        assert len(warnings) == 1 and "rollout.engine" in warnings[0], warnings
+    job = load_job(CONFIGS / name, [*overrides(paths, size), f"precision.mode={mode}"])
+    assert warnings == [f"WARNING: {e} (jetrl train needs it on the GPU hosts)" for e in machine_problems(job)]
     assert f"world        {8 * nodes} processes" in out.out
     job = load_job(CONFIGS / name, [*overrides(paths, size), f"precision.mode={mode}"])
     plan = resolve(job, 8 * nodes).memory
@@ -120,6 +118,8 @@ def test_check_flag_errors(capsys):
     assert "--gpu-memory" in capsys.readouterr().err
     assert main(["check", cfg, "--world-size", "6", "--gpus-per-node", "4"]) == 2
     assert "multiple of --gpus-per-node" in capsys.readouterr().err
+    assert main(["check", cfg, "--world-size", "4", "--nodes", "2"]) == 2
+    assert "contradicts --nodes 2 x --gpus-per-node 8 = 16" in capsys.readouterr().err
     assert main(["check", cfg, "--nodes", "2", "--gpus-per-node", "3", "actor.parallel.tp=2",
                  "model.config.num_key_value_heads=2"]) == 2
     assert "no TP group spans nodes" in capsys.readouterr().err
@@ -142,6 +142,55 @@ def test_backend_env_follows_the_recipe(paths):
     assert backend_env(job, resolve(job, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "0"}
     deep = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "rollout.vllm.fp8_gemm=deep_gemm"])
     assert backend_env(deep, resolve(deep, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "1"}
-    te = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te",
-                                               "precision.fp8.pow2_scales=true", "rollout.engine=hf"])
+    hf = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "precision.fp8.pow2_scales=true",
+                                               "rollout.engine=hf"])
+    # a te job is refused at load time until its FP8 bytes reach the sync; backend_env's part for it
+    te = dataclasses.replace(hf, actor=dataclasses.replace(hf.actor, fp8_backend="te"))
     assert backend_env(te, resolve(te, 8)) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
+    with pytest.raises(ConfigError, match="actor.fp8_backend.*use actor.fp8_backend=native"):
+        load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te"])
+    load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te", "precision.mode=bf16"])
+
+
+def test_check_plans_before_the_download_and_train_refuses(tmp_path, capsys, monkeypatch):
+    """The README's first command, as a new user runs it: nothing downloaded yet. check plans from
+    the shipped config.json (model.plan_config) and lists what is still to fetch; train refuses,
+    naming it, before any work."""
+    monkeypatch.chdir(ROOT)  # the recipes' paths are relative to the repository root
+    name, nodes = RECIPES["32b"]
+    assert not (ROOT / "checkpoints" / "Qwen3-32B").exists()
+    assert main(["check", str(CONFIGS / name), "--nodes", str(nodes)]) == 0
+    out = capsys.readouterr().out
+    assert "planned with model.plan_config examples/configs/models/qwen3-32b.json" in out
+    for key in ("model.hf_config checkpoints/Qwen3-32B", "model.checkpoint checkpoints/Qwen3-32B-megatron",
+                "data.train.path data/dapo-math-17k.parquet", "data.eval.path data/aime-2024.parquet"):
+        assert f"WARNING: {key} does not exist yet" in out, key
+    assert "config OK; 4 input(s) still to fetch" in out and "does not fit" not in out
+    assert "33B parameters" in out
+    assert main(["train", str(CONFIGS / name)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.hf_config" in err and "also data.train.path" in err, err
+    # without a plan_config the missing model is an error, saying what to do
+    assert main(["check", str(CONFIGS / name), "--nodes", str(nodes), "model.plan_config=null"]) == 2
+    assert "model.plan_config" in capsys.readouterr().err
+
+
+def test_check_refuses_a_model_directory_without_tokenizer_files(paths, tmp_path, capsys):
+    """A folder holding only config.json: transformers then builds a 1-token tokenizer that encodes
+    every prompt to []; check refuses it, naming the directory."""
+    bare = tmp_path / "Qwen3-8b"
+    bare.mkdir()
+    shutil.copy(CONFIGS / "models" / "qwen3-8b.json", bare / "config.json")
+    name, nodes = RECIPES["8b"]
+    args = [f"model.hf_config={bare}", f"data.train.path={paths['data']}", f"data.eval.path={paths['data']}",
+            "model.checkpoint=null"]  # the initial weights are not what this test is about
+    assert main(["check", str(CONFIGS / name), "--nodes", str(nodes), *args]) == 2
+    err = capsys.readouterr().err
+    assert "not a usable tokenizer" in err and str(bare) in err and "config.json" in err, err
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("3", False)])
+def test_a_config_error_is_printed_once_per_launch(capsys, monkeypatch, rank, printed):
+    monkeypatch.setenv("RANK", rank)
+    assert main(["check", str(CONFIGS / "tiny_countdown.yaml"), "run.steps=0"]) == 2
+    assert ("config error: run.steps" in capsys.readouterr().err) is printed
