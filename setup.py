@@ -55,14 +55,15 @@ setup(
         "megatron-core>=0.16",
         "numpy",
         "safetensors",
-        "transformers",
+        "transformers>=5.17,<6",  # tested: 5.17 (GPU host), 5.19 (vLLM 0.32 venv), 5.24 (CI)
         "pyyaml",
         "rich",
         "tensorboard",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.9"],
-        "vllm": ["vllm>=0.32"],
+        "vllm": ["vllm>=0.26,<0.33"],  # rollout/vllm_engine.py VLLM_VERSIONS: 0.26 (GPU host) to 0.32 (CI)
+        "math": ["math-verify"],  # reward.math_checker=math_verify (the recipes' choice)
         "test": ["pytest>=8", "matplotlib"],  # matplotlib: the study plots (benchmarks/mismatch_plots.py)
         "study": ["matplotlib"],
     },

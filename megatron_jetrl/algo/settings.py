@@ -118,6 +118,10 @@ class CorrectionSettings:
                               "set mode: none or bypass: false")
 
 
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+"""Advantages computed against the other samples of the same prompt (all 0 for one sample)."""
+
+
 @dataclass(frozen=True)
 class AlgoSettings:
     """The RL algorithm: advantage estimator (a key of ``ADVANTAGES``), samples per prompt, the
@@ -131,9 +135,11 @@ class AlgoSettings:
     def __post_init__(self) -> None:
         _choice("algo.advantage", self.advantage, tuple(sorted(ADVANTAGES)))
         check_integer("algo.group_size", self.group_size, minimum=1)
-        if self.advantage == "rloo" and self.group_size < 2:
+        if self.advantage in GROUP_RELATIVE and self.group_size < 2:
             raise ConfigError("algo.group_size", self.group_size,
-                              "advantage 'rloo' needs group_size >= 2 (it leaves one sample out)")
+                              f"advantage {self.advantage!r} compares the samples of a prompt with each other: with "
+                              "one sample every advantage is 0 and nothing is learned; use group_size >= 2 (or "
+                              "advantage reinforce_pp)")
         if not isinstance(self.loss, PolicyLossSettings):
             raise ConfigError("algo.loss", self.loss, "must be a PolicyLossSettings")
         if not isinstance(self.correction, CorrectionSettings):

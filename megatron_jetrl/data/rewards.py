@@ -2,8 +2,9 @@
 
 ``build_reward(settings)`` picks one by ``reward.type``:
 
-- ``math``: the final answer is checked by ``math_answer`` (math_verify when installed, else the
-  built-in checker; the choice is logged once). Each check runs in a ``TimedPool`` worker under
+- ``math``: the final answer is checked by ``math_answer`` with the checker ``reward.math_checker``
+  names (math_verify or the built-in one; ``require_math_checker`` says early when the chosen one
+  is not installed). Each check runs in a ``TimedPool`` worker under
   ``time_limit_s``; a check that runs over scores 0 and counts in ``timeouts``, one that fails
   scores 0 and counts in ``errors``. Model output is untrusted: nothing it contains can raise here
   or stall a step past the limit.
@@ -20,6 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
+from megatron_jetrl.config import ConfigError
 from megatron_jetrl.data import math_answer
 from megatron_jetrl.data.settings import MATH_REWARD, RewardSettings
 from megatron_jetrl.data.timed_pool import ERROR, OK, TIMEOUT, TimedPool
@@ -55,22 +57,14 @@ class MathReward:
     """1.0 for a correct final answer, ``format_score`` for a wrong one, 0.0 for none.
 
     ``checker`` is ``check(response, answer) -> Optional[bool]`` (see ``math_answer``), a
-    module-level function because it runs in spawned workers; ``None`` picks math_verify if
-    installed, else the built-in checker. ``workers`` defaults to min(4, CPUs): a check takes
-    milliseconds, and every data-parallel rank may hold its own pool.
+    module-level function because it runs in spawned workers (``MATH_CHECKERS`` maps the
+    ``reward.math_checker`` names to one and its worker initializer). ``workers`` defaults to
+    min(4, CPUs): a check takes milliseconds, and every data-parallel rank may hold its own pool.
     """
 
-    def __init__(self, *, time_limit_s: float = 5.0, format_score: float = 0.0,
-                 checker: Optional[Callable[[str, Any], Optional[bool]]] = None,
-                 initializer: Optional[Callable[[], None]] = None, workers: Optional[int] = None):
-        if checker is None:
-            if importlib.util.find_spec("math_verify") is not None:
-                checker, initializer = math_answer.check_math_verify, math_answer.import_math_verify
-                logger.info("math reward: checking answers with math_verify")
-            else:
-                checker = math_answer.check_builtin
-                logger.info("math reward: math_verify is not installed (pip install math-verify); checking "
-                            "answers with the built-in \\boxed{} checker")
+    def __init__(self, *, checker: Callable[[str, Any], Optional[bool]], time_limit_s: float = 5.0,
+                 format_score: float = 0.0, initializer: Optional[Callable[[], None]] = None,
+                 workers: Optional[int] = None):
         self.checker = checker
         self.format_score = float(format_score)
         self.timeouts_total = 0
@@ -141,7 +135,26 @@ class SyntheticReward:
         self.close()
 
 
+MATH_CHECKERS: dict[str, tuple[Callable[[str, Any], Optional[bool]], Optional[Callable[[], None]]]] = {
+    "math_verify": (math_answer.check_math_verify, math_answer.import_math_verify),
+    "builtin": (math_answer.check_builtin, None),
+}
+"""``reward.math_checker`` -> (check function, worker initializer)."""
+
+
+def require_math_checker(settings: RewardSettings) -> None:
+    """Raise ``ConfigError`` when the job scores math with math_verify and it is not installed."""
+    if settings.type == MATH_REWARD and settings.math_checker == "math_verify" \
+            and importlib.util.find_spec("math_verify") is None:
+        raise ConfigError("reward.math_checker", "math_verify",
+                          "is not installed here: pip install math-verify, or reward.math_checker=builtin (the "
+                          "built-in \\boxed{} answer check; rewards differ from math_verify's on some answers)")
+
+
 def build_reward(settings: RewardSettings) -> RewardFn:
     if settings.type == MATH_REWARD:
-        return MathReward(time_limit_s=settings.time_limit_s, format_score=settings.format_score)
+        require_math_checker(settings)
+        checker, initializer = MATH_CHECKERS[settings.math_checker]
+        return MathReward(checker=checker, initializer=initializer, time_limit_s=settings.time_limit_s,
+                          format_score=settings.format_score)
     return SyntheticReward(settings.type)

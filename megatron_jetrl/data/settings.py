@@ -19,6 +19,9 @@ OVERLONG_MODES = ("none", "filter", "soft")
 MATH_REWARD = "math"
 
 
+MATH_CHECKERS = ("math_verify", "builtin")
+
+
 def _number(key: str, value, *, positive: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(key, value, "must be a finite number" + (" > 0" if positive else ""))
@@ -187,15 +190,22 @@ class RewardSettings:
     """How responses are scored. ``math``: 1.0 for a correct final answer (the last ``\\boxed{}``),
     ``format_score`` for a boxed answer that is wrong, 0.0 when none is found or the check runs
     past ``time_limit_s`` (enforced in worker processes). A synthetic task name scores with that
-    task's own verifier (in-process; ``format_score`` and ``time_limit_s`` do not apply)."""
+    task's own verifier (in-process; ``format_score`` and ``time_limit_s`` do not apply).
+    ``math_checker``: who decides "correct" for ``math``: ``math_verify`` (Hugging Face's symbolic
+    comparison; must be installed, ``pip install math-verify``) or ``builtin`` (this package's
+    normalised string/number comparison of the boxed answer). A setting, not whatever is
+    installed, so a run scores the same on every machine."""
 
     type: str = MATH_REWARD
     time_limit_s: float = 5.0
     format_score: float = 0.0
+    math_checker: str = "math_verify"
 
     def __post_init__(self) -> None:
         allowed = [MATH_REWARD, *_synthetic_tasks()]
         if self.type not in allowed:
             raise ConfigError("reward.type", self.type, f"must be one of {allowed}")
+        if self.math_checker not in MATH_CHECKERS:
+            raise ConfigError("reward.math_checker", self.math_checker, f"must be one of {list(MATH_CHECKERS)}")
         _number("reward.time_limit_s", self.time_limit_s, positive=True)
         _number("reward.format_score", self.format_score)

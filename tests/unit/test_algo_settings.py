@@ -35,6 +35,7 @@ def test_valid_variants():
     CorrectionSettings(mode="icepop", low=0.5, high=5.0)
     CorrectionSettings(bypass=True)
     AlgoSettings(advantage="rloo", group_size=2)
+    AlgoSettings(advantage="reinforce_pp", group_size=1)  # a batch baseline: one sample per prompt is fine
 
 
 @pytest.mark.parametrize("cls,kwargs,key", [
@@ -65,6 +66,9 @@ def test_valid_variants():
     (AlgoSettings, {"group_size": 0}, "algo.group_size"),
     (AlgoSettings, {"group_size": 2.0}, "algo.group_size"),
     (AlgoSettings, {"advantage": "rloo", "group_size": 1}, "algo.group_size"),
+    (AlgoSettings, {"advantage": "grpo", "group_size": 1}, "algo.group_size"),
+    (AlgoSettings, {"advantage": "dr_grpo", "group_size": 1}, "algo.group_size"),
+    (AlgoSettings, {"advantage": "reinforce_pp_baseline", "group_size": 1}, "algo.group_size"),
     (AlgoSettings, {"loss": {"type": "ppo"}}, "algo.loss"),
     (AlgoSettings, {"correction": None}, "algo.correction"),
 ])

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from megatron_jetrl.config import ConfigError
 from megatron_jetrl.data import math_answer, synthetic
 from megatron_jetrl.data.math_answer import answers_match, check_builtin, extract_boxed, normalize
 from megatron_jetrl.data.rewards import MathReward, RewardBatch, SyntheticReward, build_reward
@@ -143,12 +144,22 @@ def test_math_reward_scores_and_format_score():
         MathReward(checker=check_builtin)(["a", "b"], [1])
 
 
-def test_build_reward_math_default_checker():
-    with build_reward(RewardSettings(time_limit_s=20.0)) as reward:
+def test_build_reward_uses_the_configured_checker():
+    """reward.math_checker decides, not what is installed: builtin is builtin everywhere; the
+    default math_verify is used where installed and refused, naming the fix, where it is not."""
+    with build_reward(RewardSettings(time_limit_s=20.0, math_checker="builtin")) as reward:
         batch = reward(["the answer is \\boxed{7}", "\\boxed{8}"], ["7", "7"])
-    assert batch.scores == [1.0, 0.0] and batch.timeouts == 0
-    want = math_answer.check_math_verify if _has_math_verify() else check_builtin
-    assert reward.checker is want
+    assert batch.scores == [1.0, 0.0] and batch.timeouts == 0 and reward.checker is check_builtin
+    assert RewardSettings().math_checker == "math_verify"
+    if _has_math_verify():
+        with build_reward(RewardSettings(time_limit_s=20.0)) as reward:
+            assert reward(["\\boxed{7}"], ["7"]).scores == [1.0]
+        assert reward.checker is math_answer.check_math_verify
+    else:
+        with pytest.raises(ConfigError, match="reward.math_checker.*pip install math-verify.*builtin"):
+            build_reward(RewardSettings())
+    with pytest.raises(ConfigError, match="reward.math_checker"):
+        RewardSettings(math_checker="sympy")
 
 
 def _has_math_verify():
