@@ -5,25 +5,16 @@ Validation happens at construction and names the key, so a bad value fails befor
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_jetrl.config import ConfigError, check_integer
+from megatron_jetrl.config import ConfigError, check_integer, check_number
 from megatron_jetrl.models import ParallelLayout
 from megatron_jetrl.precision import GEMM_BACKENDS, PrecisionRecipe
 
 FP8_BACKENDS = ("native", "te")
 RECOMPUTE = ("none", "full")
 DECAY_STYLES = ("constant", "linear", "cosine")
-
-
-def _positive(key: str, value, *, integer: bool = False, allow_zero: bool = False) -> None:
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    bad = isinstance(value, bool) or not ok_type or not math.isfinite(value)
-    if bad or value < 0 or (value == 0 and not allow_zero):
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(key, value, f"must be {kind} {'>= 0' if allow_zero else '> 0'}")
 
 
 @dataclass(frozen=True)
@@ -49,29 +40,29 @@ class OptimizerSettings:
 
     def __post_init__(self) -> None:
         k = "actor.optimizer"
-        _positive(f"{k}.lr", self.lr)
-        _positive(f"{k}.min_lr", self.min_lr, allow_zero=True)
+        check_number(f"{k}.lr", self.lr, low=0.0, low_open=True)
+        check_number(f"{k}.min_lr", self.min_lr, low=0.0)
         if self.min_lr > self.lr:
             raise ConfigError(f"{k}.min_lr", self.min_lr, f"must be <= lr ({self.lr})")
-        _positive(f"{k}.weight_decay", self.weight_decay, allow_zero=True)
+        check_number(f"{k}.weight_decay", self.weight_decay, low=0.0)
         for name in ("adam_beta1", "adam_beta2"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise ConfigError(f"{k}.{name}", v, "must be in [0, 1)")
-        _positive(f"{k}.adam_eps", self.adam_eps)
-        _positive(f"{k}.clip_grad", self.clip_grad, allow_zero=True)
-        _positive(f"{k}.warmup_steps", self.warmup_steps, integer=True, allow_zero=True)
+        check_number(f"{k}.adam_eps", self.adam_eps, low=0.0, low_open=True)
+        check_number(f"{k}.clip_grad", self.clip_grad, low=0.0)
+        check_integer(f"{k}.warmup_steps", self.warmup_steps, minimum=0)
         if self.decay_style not in DECAY_STYLES:
             raise ConfigError(f"{k}.decay_style", self.decay_style, f"must be one of {DECAY_STYLES}")
         if self.decay_steps is not None:
-            _positive(f"{k}.decay_steps", self.decay_steps, integer=True)
+            check_integer(f"{k}.decay_steps", self.decay_steps, minimum=1)
             if self.decay_steps <= self.warmup_steps:
                 raise ConfigError(f"{k}.decay_steps", self.decay_steps,
                                   f"must exceed warmup_steps ({self.warmup_steps})")
         elif self.decay_style != "constant":
             raise ConfigError(f"{k}.decay_steps", None, f"decay_style {self.decay_style!r} needs decay_steps")
-        _positive(f"{k}.initial_loss_scale", self.initial_loss_scale)
-        _positive(f"{k}.loss_scale_window", self.loss_scale_window, integer=True)
+        check_number(f"{k}.initial_loss_scale", self.initial_loss_scale, low=0.0, low_open=True)
+        check_integer(f"{k}.loss_scale_window", self.loss_scale_window, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -108,9 +99,9 @@ class ActorSettings:
             raise ConfigError("actor.fp8_backend", self.fp8_backend, f"must be one of {FP8_BACKENDS}")
         if self.fp8_gemm not in GEMM_BACKENDS:
             raise ConfigError("actor.fp8_gemm", self.fp8_gemm, f"must be one of {GEMM_BACKENDS}")
-        _positive("actor.max_tokens_per_microbatch", self.max_tokens_per_microbatch, integer=True)
+        check_integer("actor.max_tokens_per_microbatch", self.max_tokens_per_microbatch, minimum=1)
         if self.max_seq_len is not None:
-            _positive("actor.max_seq_len", self.max_seq_len, integer=True)
+            check_integer("actor.max_seq_len", self.max_seq_len, minimum=1)
         if self.recompute not in RECOMPUTE:
             raise ConfigError("actor.recompute", self.recompute, f"must be one of {RECOMPUTE}")
         if not isinstance(self.optimizer, OptimizerSettings):

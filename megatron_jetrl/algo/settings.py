@@ -13,28 +13,16 @@ work. Defaults, and the papers they come from:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_jetrl.algo.advantages import ADVANTAGES
-from megatron_jetrl.config import ConfigError, check_integer
+from megatron_jetrl.config import ConfigError, check_integer, check_number
 
 LOSS_TYPES = ("ppo", "gspo", "cispo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_TYPES = ("k1", "k3")
 CORRECTION_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop")
-
-
-def _number(key: str, value, *, low: float, high: float = math.inf, low_open: bool = False,
-            high_open: bool = False) -> None:
-    """``value`` is a finite real (not a bool) in the interval; the message states the interval."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        left = "(" if low_open else "["
-        right = ")" if high_open or high == math.inf else "]"
-        raise ConfigError(key, value, f"must be a finite number in {left}{low:g}, {high:g}{right}")
 
 
 def _choice(key: str, value, allowed: tuple[str, ...]) -> None:
@@ -70,21 +58,21 @@ class PolicyLossSettings:
     def __post_init__(self) -> None:
         k = "algo.loss"
         _choice(f"{k}.type", self.type, LOSS_TYPES)
-        _number(f"{k}.clip_low", self.clip_low, low=0.0, high=1.0, low_open=True, high_open=True)
-        _number(f"{k}.clip_high", self.clip_high, low=0.0, low_open=True)
+        check_number(f"{k}.clip_low", self.clip_low, low=0.0, high=1.0, low_open=True, high_open=True)
+        check_number(f"{k}.clip_high", self.clip_high, low=0.0, low_open=True)
         if self.dual_clip is not None:
-            _number(f"{k}.dual_clip", self.dual_clip, low=1.0, low_open=True)
+            check_number(f"{k}.dual_clip", self.dual_clip, low=1.0, low_open=True)
             if self.type != "ppo":
                 raise ConfigError(f"{k}.dual_clip", self.dual_clip,
                                   f"applies to type 'ppo' only; remove it for type {self.type!r}")
-        _number(f"{k}.gspo_clip_low", self.gspo_clip_low, low=0.0, high=1.0, low_open=True, high_open=True)
-        _number(f"{k}.gspo_clip_high", self.gspo_clip_high, low=0.0, low_open=True)
-        _number(f"{k}.cispo_clip_low", self.cispo_clip_low, low=0.0, high=1.0)
-        _number(f"{k}.cispo_clip_high", self.cispo_clip_high, low=0.0, low_open=True)
+        check_number(f"{k}.gspo_clip_low", self.gspo_clip_low, low=0.0, high=1.0, low_open=True, high_open=True)
+        check_number(f"{k}.gspo_clip_high", self.gspo_clip_high, low=0.0, low_open=True)
+        check_number(f"{k}.cispo_clip_low", self.cispo_clip_low, low=0.0, high=1.0)
+        check_number(f"{k}.cispo_clip_high", self.cispo_clip_high, low=0.0, low_open=True)
         _choice(f"{k}.aggregation", self.aggregation, AGGREGATIONS)
-        _number(f"{k}.kl_coef", self.kl_coef, low=0.0)
+        check_number(f"{k}.kl_coef", self.kl_coef, low=0.0)
         _choice(f"{k}.kl_type", self.kl_type, KL_TYPES)
-        _number(f"{k}.entropy_coef", self.entropy_coef, low=0.0)
+        check_number(f"{k}.entropy_coef", self.entropy_coef, low=0.0)
 
 
 @dataclass(frozen=True)
@@ -107,9 +95,9 @@ class CorrectionSettings:
     def __post_init__(self) -> None:
         k = "algo.correction"
         _choice(f"{k}.mode", self.mode, CORRECTION_MODES)
-        _number(f"{k}.clip", self.clip, low=1.0)
-        _number(f"{k}.low", self.low, low=0.0, high=1.0, high_open=True)
-        _number(f"{k}.high", self.high, low=1.0, low_open=True)
+        check_number(f"{k}.clip", self.clip, low=1.0)
+        check_number(f"{k}.low", self.low, low=0.0, high=1.0, high_open=True)
+        check_number(f"{k}.high", self.high, low=1.0, low_open=True)
         if not isinstance(self.bypass, bool):
             raise ConfigError(f"{k}.bypass", self.bypass, "must be true or false")
         if self.bypass and self.mode != "none":

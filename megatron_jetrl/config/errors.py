@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid.
@@ -22,3 +24,15 @@ def check_integer(key: str, value: object, *, minimum: int | None = None) -> Non
     given: "must be an integer" / "must be an integer >= N"."""
     if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
         raise ConfigError(key, value, "must be an integer" + ("" if minimum is None else f" >= {minimum}"))
+
+
+def check_number(key: str, value: object, *, low: float = -math.inf, high: float = math.inf,
+                 low_open: bool = False, high_open: bool = False) -> None:
+    """``ConfigError`` naming ``key`` unless ``value`` is a finite real (int or float, not a bool)
+    in the interval; the message states it: "must be a finite number in (0, 1)"."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        left = "(" if low_open or low == -math.inf else "["
+        right = ")" if high_open or high == math.inf else "]"
+        raise ConfigError(key, value, f"must be a finite number in {left}{low:g}, {high:g}{right}")

@@ -8,11 +8,10 @@ given. Every other section validates itself at construction.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_jetrl.config import ConfigError, check_integer
+from megatron_jetrl.config import ConfigError, check_integer, check_number
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 OVERLONG_MODES = ("none", "filter", "soft")
@@ -20,13 +19,6 @@ MATH_REWARD = "math"
 
 
 MATH_CHECKERS = ("math_verify", "builtin")
-
-
-def _number(key: str, value, *, positive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(key, value, "must be a finite number" + (" > 0" if positive else ""))
-    if positive and value <= 0:
-        raise ConfigError(key, value, "must be a finite number > 0")
 
 
 def _text(key: str, value) -> None:
@@ -138,7 +130,7 @@ class OverlongSettings:
         if self.mode not in OVERLONG_MODES:
             raise ConfigError("data.overlong.mode", self.mode, f"must be one of {OVERLONG_MODES}")
         check_integer("data.overlong.buffer_tokens", self.buffer_tokens, minimum=1)
-        _number("data.overlong.penalty", self.penalty)
+        check_number("data.overlong.penalty", self.penalty)
         if self.penalty < 0:
             raise ConfigError("data.overlong.penalty", self.penalty, "must be >= 0 (it is subtracted from the reward)")
 
@@ -207,5 +199,5 @@ class RewardSettings:
             raise ConfigError("reward.type", self.type, f"must be one of {allowed}")
         if self.math_checker not in MATH_CHECKERS:
             raise ConfigError("reward.math_checker", self.math_checker, f"must be one of {list(MATH_CHECKERS)}")
-        _number("reward.time_limit_s", self.time_limit_s, positive=True)
-        _number("reward.format_score", self.format_score)
+        check_number("reward.time_limit_s", self.time_limit_s, low=0.0, low_open=True)
+        check_number("reward.format_score", self.format_score)

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -111,16 +111,7 @@ class PrecisionRecipe:
             allowed = ", ".join(repr(m.value) for m in PrecisionMode)
             raise ConfigError("precision.mode", self.mode, f"must be one of {allowed}") from None
         if not isinstance(self.fp8, Fp8Options):
-            raise ConfigError("precision.fp8", self.fp8, "must be an Fp8Options (or a mapping in from_dict)")
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "PrecisionRecipe":
-        """Build from a config mapping; an unknown key is an error naming it."""
-        raw = dict(_mapping("precision", raw))
-        _reject_unknown("precision", raw, {f.name for f in dataclasses.fields(cls)})
-        fp8_raw = dict(_mapping("precision.fp8", raw.pop("fp8", None) or {}))
-        _reject_unknown("precision.fp8", fp8_raw, {f.name for f in dataclasses.fields(Fp8Options)})
-        return cls(fp8=Fp8Options(**fp8_raw), **raw)
+            raise ConfigError("precision.fp8", self.fp8, "must be an Fp8Options (the loader builds one from a mapping)")
 
     def to_dict(self) -> dict[str, Any]:
         fp8 = dataclasses.asdict(self.fp8)
@@ -242,15 +233,3 @@ def _as_pair(key: str, value: Any) -> tuple[int, int]:
     ):
         raise ConfigError(key, value, "must be a pair of integers, e.g. [128, 128]")
     return int(value[0]), int(value[1])
-
-
-def _mapping(key: str, value: Any) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(key, value, "must be a mapping of keys to values")
-    return value
-
-
-def _reject_unknown(section: str, raw: Mapping[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"{section}.{unknown[0]}", raw[unknown[0]], f"unknown key; allowed keys: {sorted(known)}")

@@ -31,9 +31,11 @@ def _model(bridge, mode, **fp8):
 
     from megatron_jetrl.actor import ActorSettings
     from megatron_jetrl.actor.model import configure_fp8_linears, layer_spec, transformer_config
+    from megatron_jetrl.config import build
     from megatron_jetrl.precision import PrecisionRecipe
 
-    settings = ActorSettings(precision=PrecisionRecipe.from_dict({"mode": mode, "fp8": fp8}), fp8_gemm="emulate")
+    recipe = build(PrecisionRecipe, {"mode": mode, "fp8": fp8}, "precision")
+    settings = ActorSettings(precision=recipe, fp8_gemm="emulate")
     config = transformer_config(bridge, settings)
     config.use_cpu_initialization = True
     torch.manual_seed(0)

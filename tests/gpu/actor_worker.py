@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
 from megatron_jetrl.algo import cross_entropy_loss, ppo_clip_loss  # noqa: E402
+from megatron_jetrl.config import build  # noqa: E402
 from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
 from megatron_jetrl.models.hf_checkpoint import HFCheckpoint  # noqa: E402
 from megatron_jetrl.precision import PrecisionRecipe, quantize_fp8_blockwise  # noqa: E402
@@ -81,7 +82,7 @@ class Scenarios:
               **fp8) -> Actor:
         base = self.converted(arch)
         bridge = bridge_for(HFCheckpoint(base / "hf").config)
-        recipe = PrecisionRecipe.from_dict({"mode": mode, "fp8": fp8})
+        recipe = build(PrecisionRecipe, {"mode": mode, "fp8": fp8}, "precision")
         settings = ActorSettings(parallel=ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp), precision=recipe,
                                  max_tokens_per_microbatch=mb_tokens, recompute=recompute,
                                  optimizer=OptimizerSettings(lr=lr, weight_decay=0.0, clip_grad=1.0,

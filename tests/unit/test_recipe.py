@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, build
 from megatron_jetrl.precision import LLAMA_LINEAR_NAMES, Fp8Options, PrecisionMode, PrecisionRecipe
 
 QUANT_CONFIG = {
@@ -55,9 +55,9 @@ def test_mode_properties(mode, train_fp8, rollout_fp8, dtype, loss_scaling):
         ({"fp8": {"weight_block": [128, 128], "pow2_scale": True}}, "precision.fp8.pow2_scale"),
     ],
 )
-def test_from_dict_rejects_unknown_keys(raw, key):
+def test_the_loader_rejects_unknown_keys(raw, key):
     with pytest.raises(ConfigError, match=re.escape(key) + r".*unknown key") as e:
-        PrecisionRecipe.from_dict(raw)
+        build(PrecisionRecipe, raw, "precision")
     assert e.value.key == key
 
 
@@ -72,7 +72,7 @@ def test_from_dict_rejects_unknown_keys(raw, key):
         ({"fp8": {"grad_group": [128, 128]}}, "precision.fp8.grad_group"),
         ({"fp8": {"amax_epsilon": -1}}, "precision.fp8.amax_epsilon"),
         ({"fp8": {"amax_epsilon": float("nan")}}, "precision.fp8.amax_epsilon"),
-        ({"fp8": {"amax_epsilon": "1e-4"}}, "precision.fp8.amax_epsilon"),
+        ({"fp8": {"amax_epsilon": "tiny"}}, "precision.fp8.amax_epsilon"),  # "1e-4" is a number (YAML reads it as text)
         ({"fp8": {"bf16_first_layers": -1}}, "precision.fp8.bf16_first_layers"),
         ({"fp8": {"bf16_first_layers": "2"}}, "precision.fp8.bf16_first_layers"),
         ({"fp8": {"bf16_last_layers": True}}, "precision.fp8.bf16_last_layers"),
@@ -81,7 +81,7 @@ def test_from_dict_rejects_unknown_keys(raw, key):
 )
 def test_bad_values_name_the_key(raw, key):
     with pytest.raises(ConfigError, match=re.escape(key) + ": got ") as e:
-        PrecisionRecipe.from_dict(raw)
+        build(PrecisionRecipe, raw, "precision")
     assert e.value.key == key
 
 
@@ -89,7 +89,7 @@ def test_bad_values_name_the_key(raw, key):
 def test_non_mapping_fp8_section_is_a_config_error(fp8):
     """A YAML slip like ``fp8: yes`` (parsed as True) must name the section, not fail inside dict()."""
     with pytest.raises(ConfigError, match=r"precision\.fp8: got"):
-        PrecisionRecipe.from_dict({"fp8": fp8})
+        build(PrecisionRecipe, {"fp8": fp8}, "precision")
 
 
 def test_mode_error_lists_allowed_modes():
@@ -109,18 +109,18 @@ def test_config_error_is_a_value_error():
         PrecisionRecipe(fp8=Fp8Options(pow2_scales=True, amax_epsilon=1e-4, bf16_first_layers=1, bf16_last_layers=2)),
     ],
 )
-def test_to_dict_from_dict_round_trip(recipe):
+def test_to_dict_and_the_loader_round_trip(recipe):
     d = recipe.to_dict()
     assert json.loads(json.dumps(d)) == d
     assert d["fp8"]["weight_block"] == [128, 128]
-    assert PrecisionRecipe.from_dict(d) == recipe
-    assert PrecisionRecipe.from_dict(json.loads(json.dumps(d))).to_dict() == d
+    assert build(PrecisionRecipe, d, "precision") == recipe
+    assert build(PrecisionRecipe, json.loads(json.dumps(d)), "precision").to_dict() == d
 
 
-def test_from_dict_accepts_missing_or_null_fp8_section():
-    assert PrecisionRecipe.from_dict({"mode": "bf16"}) == PrecisionRecipe(mode=PrecisionMode.BF16)
-    assert PrecisionRecipe.from_dict({"fp8": None}) == PrecisionRecipe()
-    assert PrecisionRecipe.from_dict({"fp8": {"amax_epsilon": 0}}).fp8.amax_epsilon == 0.0
+def test_the_loader_accepts_missing_or_null_fp8_section():
+    assert build(PrecisionRecipe, {"mode": "bf16"}, "precision") == PrecisionRecipe(mode=PrecisionMode.BF16)
+    assert build(PrecisionRecipe, {"fp8": None}, "precision") == PrecisionRecipe()
+    assert build(PrecisionRecipe, {"fp8": {"amax_epsilon": 0}}, "precision").fp8.amax_epsilon == 0.0
 
 
 def test_layer_in_fp8_keeps_first_and_last_layers_in_bf16():
