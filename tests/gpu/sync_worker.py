@@ -86,6 +86,29 @@ class Recorder:
         self.tensors.update((n, t.clone()) for n, t in tensors)
 
 
+def engine_vs_trainer(actor, prompts, samples, *, kv_scales: bool = False) -> tuple[dict, torch.Tensor | None]:
+    """The trainer recomputes the logprobs of an engine's samples: mean |Δlogp|, k3 KL,
+    token_mult_prob_error, mean |Δp| and the trainer's mean logp over response tokens; with
+    ``kv_scales`` also the FP8 KV-cache scales that pass measured."""
+    seqs = [prompts[s.prompt_index] + s.tokens for s in samples]
+    masks = [[0] * len(prompts[s.prompt_index]) + [1] * len(s.tokens) for s in samples]
+    rollout = [[0.0] * len(prompts[s.prompt_index]) + s.logprobs for s in samples]
+    batch = PackedBatch.from_sequences([torch.tensor(x) for x in seqs], loss_mask=masks)
+    out = actor.compute_logprobs(batch, kv_scales=kv_scales)
+    mask = batch.fields["loss_mask"].bool()
+    lp_train, lp_roll = out.logprobs[mask].double(), torch.tensor([v for r in rollout for v in r]).double()[mask]
+    log_r = (lp_train - lp_roll).clamp(-20, 20)
+    r = log_r.exp()
+    return {
+        "tokens": int(mask.sum()),
+        "mean_abs_dlogp": (lp_train - lp_roll).abs().mean().item(),
+        "k3_kl": (r - log_r - 1).mean().item(),
+        "token_mult_prob_error": (lp_train - lp_roll).abs().exp().mean().item(),
+        "probs_diff_mean": (lp_train.exp() - lp_roll.exp()).abs().mean().item(),
+        "mean_logp": lp_train.mean().item(),
+    }, out.kv_scales
+
+
 class Scenarios(ActorScenarios):
     def sync_for(self, actor, recipe, rollout_tp: int, engine=None):
         plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, rollout_tp, self.world)
@@ -156,23 +179,8 @@ class Scenarios(ActorScenarios):
             prompts = [torch.randint(0, vocab, (int(n),), generator=prompts_g).tolist() for n in (16, 40, 7, 64)]
             samples = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=96, seed=0))
             engine.close()
-            seqs = [prompts[s.prompt_index] + s.tokens for s in samples]
-            masks = [[0] * len(prompts[s.prompt_index]) + [1] * len(s.tokens) for s in samples]
-            rollout = [[0.0] * len(prompts[s.prompt_index]) + s.logprobs for s in samples]
-            batch = PackedBatch.from_sequences([torch.tensor(x) for x in seqs], loss_mask=masks)
-            train = actor.compute_logprobs(batch).logprobs
-            mask = batch.fields["loss_mask"].bool()
-            lp_train, lp_roll = train[mask].double(), torch.tensor([v for r in rollout for v in r]).double()[mask]
-            log_r = (lp_train - lp_roll).clamp(-20, 20)
-            r = log_r.exp()
-            self.record(f"mismatch/{mode}", {
-                "tokens": int(mask.sum()),
-                "mean_abs_dlogp": (lp_train - lp_roll).abs().mean().item(),
-                "k3_kl": (r - log_r - 1).mean().item(),
-                "token_mult_prob_error": (lp_train - lp_roll).abs().exp().mean().item(),
-                "probs_diff_mean": (lp_train.exp() - lp_roll.exp()).abs().mean().item(),
-                "mean_logp": lp_train.mean().item(),
-            })
+            result, _ = engine_vs_trainer(actor, prompts, samples)
+            self.record(f"mismatch/{mode}", result)
             actor.close()
 
 

@@ -31,14 +31,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_jetrl.actor import PackedBatch  # noqa: E402
 from megatron_jetrl.algo import cross_entropy_loss  # noqa: E402
 from megatron_jetrl.precision.kv_cache import kv_scale_names  # noqa: E402
 from megatron_jetrl.rollout import SamplingParams  # noqa: E402
 from megatron_jetrl.rollout.vllm_engine import VllmEngine, VllmOptions  # noqa: E402
 from megatron_jetrl.sync import SyncPlan, WeightSync  # noqa: E402
 from tests.gpu.actor_worker import main, make_batch  # noqa: E402
-from tests.gpu.sync_worker import ARCH, Recorder, sha, trainer_fp8_hashes  # noqa: E402
+from tests.gpu.sync_worker import ARCH, Recorder, engine_vs_trainer, sha, trainer_fp8_hashes  # noqa: E402
 from tests.gpu.sync_worker import Scenarios as SyncScenarios  # noqa: E402
 
 PROMPT_LENS = (16, 40, 7, 64)
@@ -124,22 +123,7 @@ class Scenarios(SyncScenarios):
         engine.wake()
         samples = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=96, seed=0))
         engine.sleep()
-        seqs = [prompts[s.prompt_index] + s.tokens for s in samples]
-        masks = [[0] * len(prompts[s.prompt_index]) + [1] * len(s.tokens) for s in samples]
-        rollout = [[0.0] * len(prompts[s.prompt_index]) + s.logprobs for s in samples]
-        batch = PackedBatch.from_sequences([torch.tensor(x) for x in seqs], loss_mask=masks)
-        out = actor.compute_logprobs(batch, kv_scales=kv_scales)
-        mask = batch.fields["loss_mask"].bool()
-        lp_train, lp_roll = out.logprobs[mask].double(), torch.tensor([v for r in rollout for v in r]).double()[mask]
-        log_r = (lp_train - lp_roll).clamp(-20, 20)
-        r = log_r.exp()
-        return {
-            "tokens": int(mask.sum()),
-            "mean_abs_dlogp": (lp_train - lp_roll).abs().mean().item(),
-            "k3_kl": (r - log_r - 1).mean().item(),
-            "token_mult_prob_error": (lp_train - lp_roll).abs().exp().mean().item(),
-            "probs_diff_mean": (lp_train.exp() - lp_roll.exp()).abs().mean().item(),
-        }, out.kv_scales
+        return engine_vs_trainer(actor, prompts, samples, kv_scales=kv_scales)
 
     def _identity(self, actor, engine, sync, *, in_place: bool) -> dict:
         """Sync, then compare vLLM's live bytes with the trainer's FProp weights (FP8 tensors) and
