@@ -17,7 +17,7 @@ import contextlib
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,14 +29,28 @@ from megatron_jetrl.actor.model import use_fused_torch_adam
 from megatron_jetrl.models.hf_checkpoint import CheckpointError
 
 if TYPE_CHECKING:
-    from megatron_jetrl.actor.actor import Actor
+    from megatron_jetrl.models import ModelBridge
+
+
+class CheckpointedActor(Protocol):
+    """What a checkpoint reads and restores of an actor (``actor.Actor`` is one); a protocol, so
+    this module does not import the actor that imports it."""
+
+    bridge: "ModelBridge"
+    gpt: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    steps: int
+
+    def optimizers(self) -> list: ...
 
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 STATE_FILE = "jetrl_state.json"
 """Marks a full actor checkpoint (model + optimizer); a converted HF checkpoint has none."""
 
 
-def _sharded_state(actor: "Actor", *, is_loading: bool, model_only: bool, extra: Optional[dict] = None) -> dict:
+def _sharded_state(actor: CheckpointedActor, *, is_loading: bool, model_only: bool,
+                   extra: Optional[dict] = None) -> dict:
     model_sd = actor.gpt.sharded_state_dict()
     state = {"model": model_sd}
     if not model_only:
@@ -48,7 +62,7 @@ def _sharded_state(actor: "Actor", *, is_loading: bool, model_only: bool, extra:
     return state
 
 
-def save_actor(actor: "Actor", directory: Path, *, extra: dict) -> None:
+def save_actor(actor: CheckpointedActor, directory: Path, *, extra: dict) -> None:
     rank = dist.get_rank()
     tmp = directory.with_name(f"{directory.name}.tmp-{actor.steps}")
     if rank == 0:
@@ -72,7 +86,7 @@ def save_actor(actor: "Actor", directory: Path, *, extra: dict) -> None:
     dist.barrier()
 
 
-def load_actor(actor: "Actor", directory: Path, *, model_only: Optional[bool]) -> dict:
+def load_actor(actor: CheckpointedActor, directory: Path, *, model_only: Optional[bool]) -> dict:
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint directory at {directory}")
     has_state = (directory / STATE_FILE).is_file()
@@ -98,7 +112,7 @@ def load_actor(actor: "Actor", directory: Path, *, model_only: Optional[bool]) -
 
 
 @contextlib.contextmanager
-def _torch_adam_step_fix(actor: "Actor"):
+def _torch_adam_step_fix(actor: CheckpointedActor):
     """Work around megatron-core 0.16.1 loading a DistributedOptimizer checkpoint with torch's Adam
     (its fallback when neither apex nor TE is installed): ``load_state_dict`` first puts Adam's
     shared ``step`` into every parameter's state, then copies the checkpoint's per-parameter
@@ -139,7 +153,7 @@ def _torch_adam_step_fix(actor: "Actor"):
                             dtype=torch.float32, device=p.device if on_device else "cpu", copy=True)
 
 
-def _init_empty_adam_state(actor: "Actor") -> None:
+def _init_empty_adam_state(actor: CheckpointedActor) -> None:
     """Give a fresh optimizer the state entries a loaded one has, so the checkpoint can be read
     into them. megatron's DistributedOptimizer reads each param's ``step`` when building its
     state dict; torch's Adam (used when neither apex nor TE is installed) creates state lazily at
