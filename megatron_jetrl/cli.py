@@ -23,7 +23,7 @@ import yaml
 
 from megatron_jetrl import launch
 from megatron_jetrl.config import ConfigError
-from megatron_jetrl.estimate import gpu_capacity
+from megatron_jetrl.job.estimate import gpu_capacity
 from megatron_jetrl.job import JobConfig, Resolved, load_data, load_job, missing_inputs, resolve
 from megatron_jetrl.runtime.signals import PreemptionSignal
 
@@ -236,7 +236,7 @@ def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, pree
            step_seconds: float) -> int:
     import torch.distributed as dist
 
-    from megatron_jetrl.smoke import run_smoke
+    from megatron_jetrl.launch.smoke import run_smoke
 
     dist.init_process_group("gloo")
     try:

@@ -40,8 +40,8 @@ from megatron_jetrl.job import JobConfig, JobData, Resolved
 from megatron_jetrl.models.hf_checkpoint import CheckpointError
 from megatron_jetrl.precision.kv_cache import kv_scale_names
 from megatron_jetrl.rollout import RolloutEngine, SamplingParams
-from megatron_jetrl.rollouts import Group, Response, StepRollouts, prompt_major, replica_share, supervised_batch
-from megatron_jetrl.rollouts import training_batch
+from megatron_jetrl.experience import Group, Response, StepRollouts, prompt_major, replica_share, supervised_batch
+from megatron_jetrl.experience import training_batch
 from megatron_jetrl.runtime.atomic import save_json_atomic
 from megatron_jetrl.runtime.checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.console import ConsoleView

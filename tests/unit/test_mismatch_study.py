@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_jetrl.estimate import GPU_MEMORY_GIB, GiB
+from megatron_jetrl.job.estimate import GPU_MEMORY_GIB, GiB
 from megatron_jetrl.job import load_data, load_job, resolve
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_jetrl.cli import backend_env, check_memory, machine_problems, main
 from megatron_jetrl.config import ConfigError
-from megatron_jetrl.estimate import GPU_MEMORY_GIB, GiB, gpu_capacity
+from megatron_jetrl.job.estimate import GPU_MEMORY_GIB, GiB, gpu_capacity
 from megatron_jetrl.job import load_job, resolve
 from tests.helpers import tiny_hf_tokenizer
 

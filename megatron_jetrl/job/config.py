@@ -259,7 +259,7 @@ def resolve(job: JobConfig, world_size: int, hf_config: Optional[dict[str, Any]]
     """The model, layout and memory estimate for ``world_size`` processes, without a GPU.
     Raises ``ConfigError`` when the layout does not divide the world or the model. ``hf_config``:
     plan with this config instead of the job's (``jetrl check`` before the download)."""
-    from megatron_jetrl.estimate import estimate_memory
+    from megatron_jetrl.job.estimate import estimate_memory
 
     check_integer("world_size", world_size, minimum=1)
     hf_config = job.model.hf_config_dict() if hf_config is None else hf_config

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_jetrl.launch import Placement
+from megatron_jetrl.launch.placement import Placement
 from megatron_jetrl.models import ParallelLayout
 from megatron_jetrl.runtime.checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.signals import EXIT_PREEMPTED, PreemptionSignal, any_rank
