@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.model_shapes import qwen3_8b_shaped  # noqa: E402
 from megatron_jetrl.ops import NativeQuantizer  # noqa: E402
 from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
-from megatron_jetrl.rollout import HfEngine, SamplingParams  # noqa: E402
+from megatron_jetrl.rollout import HfEngine, HfOptions, SamplingParams  # noqa: E402
 
 
 
@@ -82,9 +82,9 @@ def main(argv=None) -> int:
     config = qwen3_8b_shaped(args.layers)
     fp8_recipe = PrecisionRecipe(mode="fp8")
     quantizer = NativeQuantizer(pow2_scales=fp8_recipe.fp8.pow2_scales, eps=fp8_recipe.fp8.amax_epsilon)
-    kw = dict(device=device, max_num_seqs=max(batch_sizes), cuda_graphs=not args.eager)
-    engines = {"bf16": HfEngine(config, PrecisionRecipe(mode="bf16"), **kw),
-               "fp8": HfEngine(config, fp8_recipe, quantizer=quantizer, **kw)}
+    options = HfOptions(max_num_seqs=max(batch_sizes), cuda_graphs=not args.eager)
+    engines = {"bf16": HfEngine(config, PrecisionRecipe(mode="bf16"), options, device=device),
+               "fp8": HfEngine(config, fp8_recipe, options, device=device, quantizer=quantizer)}
     weights = random_weights(engines["bf16"], seed=0)
     load(engines["bf16"], weights, None)
     load(engines["fp8"], weights, quantizer)

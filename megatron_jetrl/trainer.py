@@ -38,8 +38,7 @@ from megatron_jetrl.data.rewards import build_reward
 from megatron_jetrl.data.sampler import PromptSampler
 from megatron_jetrl.job import JobConfig, JobData, Resolved
 from megatron_jetrl.models.hf_checkpoint import CheckpointError
-from megatron_jetrl.precision.kv_cache import kv_scale_names
-from megatron_jetrl.rollout import RolloutEngine, SamplingParams
+from megatron_jetrl.rollout import RolloutEngine, SamplingParams, build_engine
 from megatron_jetrl.experience import Group, Response, StepRollouts, prompt_major, replica_share, supervised_batch
 from megatron_jetrl.experience import training_batch
 from megatron_jetrl.runtime.atomic import save_json_atomic
@@ -221,10 +220,8 @@ class Trainer:
         scales measured by this step's logprob pass when the engine keeps an FP8 KV cache. The
         engine retakes only its weight memory here; its KV cache waits until the actor has left the
         GPU (``_rollout_mode``)."""
-        self.sync.sync(self.actor.weight_shards(), self.engine)
-        if self.job.rollout.fp8_kv_cache and kv_scales is not None:
-            names = kv_scale_names(self.resolved.bridge.dims.num_layers)
-            self.engine.update_weights(list(zip(names, kv_scales.flatten().unbind(0), strict=True)))
+        self.sync.sync(self.actor.weight_shards(), self.engine,
+                       kv_scales=kv_scales if self.job.rollout.fp8_kv_cache else None)
         self._engine_awake = False  # weights only
 
     def evaluate(self) -> dict[str, float]:
@@ -397,18 +394,8 @@ class Trainer:
     # ------------------------------------------------------------------ colocation and helpers
 
     def _build_engine(self) -> RolloutEngine:
-        r = self.job.rollout
-        if r.engine == "hf":
-            from megatron_jetrl.rollout.hf import HfEngine
-
-            return HfEngine(self.resolved.hf_config, self.job.precision, device=self.device, gemm=r.hf.gemm,
-                            max_num_seqs=r.hf.max_num_seqs, max_batch_tokens=r.hf.max_batch_tokens,
-                            max_prefill_tokens=r.hf.max_prefill_tokens, cuda_graphs=r.hf.cuda_graphs)
-        from megatron_jetrl.rollout.vllm_engine import VllmEngine
-
-        options = r.vllm if r.vllm.max_model_len else dataclasses.replace(r.vllm,
-                                                                          max_model_len=self.job.longest_sequence)
-        return VllmEngine(self.resolved.hf_config, self.job.precision, options)
+        return build_engine(self.job.rollout, self.job.precision, self.resolved.hf_config, device=self.device,
+                            max_model_len=self.job.longest_sequence)
 
     def _rollout_mode(self) -> None:
         """The engine gets the GPU: actor offloaded (when colocated), engine awake. An engine whose

@@ -43,7 +43,6 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
-from megatron_jetrl.config import check_integer
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.models.fp8_export import SCALE_SUFFIX
 from megatron_jetrl.models.hf_checkpoint import CheckpointError, HFCheckpoint
@@ -66,6 +65,7 @@ from megatron_jetrl.rollout.base import (
     WeightMismatch,
     check_against_specs,
 )
+from megatron_jetrl.rollout.settings import HfOptions
 
 ARCHITECTURES: dict[str, tuple[type[transformers.PreTrainedModel], type[torch.nn.Module]]] = {
     "LlamaForCausalLM": (transformers.LlamaForCausalLM, modeling_llama.LlamaRMSNorm),
@@ -240,46 +240,42 @@ class HfEngine:
         hf_config: the checkpoint's ``config.json`` as a dict (an FP8 export's
             ``quantization_config`` is ignored: the recipe decides which layers run in FP8).
         recipe: precision recipe: compute dtype, FP8 rollout, layers kept in BF16, scale options.
+        options: the ``rollout.hf`` section (``HfOptions``): ``max_num_seqs`` (most rows, prompt x
+            sample, decoded together), ``max_batch_tokens`` (most KV-cache slots of a batch: rows x
+            (padded prompt + max_new_tokens)), ``max_prefill_tokens`` (most padded prompt tokens in
+            one prefill forward), ``cuda_graphs`` (capture the decode step; CUDA only), ``gemm``
+            (FP8 GEMM backend; ``auto``: scaled_mm on Hopper, the emulation elsewhere).
         device: where the model, the cache and the sampling live.
-        gemm: FP8 GEMM backend (``auto``: scaled_mm on Hopper, the emulation elsewhere).
         quantizer: activation quantizer of the FP8 linears; default ``NativeQuantizer`` with the
             recipe's scale options (the trainer's). Its options must equal the recipe's.
-        max_num_seqs: most rows (prompt x sample) decoded together.
-        max_batch_tokens: most KV-cache slots of a batch (rows x (padded prompt + max_new_tokens)).
-        max_prefill_tokens: most padded prompt tokens in one prefill forward.
-        cuda_graphs: capture the decode step as a CUDA graph (CUDA only).
     """
 
     def __init__(
         self,
         hf_config: dict,
         recipe: PrecisionRecipe,
+        options: HfOptions = HfOptions(),
         *,
         device: torch.device | str,
-        gemm: str = "auto",
         quantizer: Fp8Quantizer | None = None,
-        max_num_seqs: int = 256,
-        max_batch_tokens: int = 131072,
-        max_prefill_tokens: int = 16384,
-        cuda_graphs: bool = True,
     ):
         if not isinstance(recipe, PrecisionRecipe):
             raise TypeError(f"recipe must be a PrecisionRecipe; got {type(recipe).__name__}")
-        for key, value in (("max_num_seqs", max_num_seqs), ("max_batch_tokens", max_batch_tokens),
-                           ("max_prefill_tokens", max_prefill_tokens)):
-            check_integer(f"rollout.{key}", value, minimum=1)
+        if not isinstance(options, HfOptions):
+            raise TypeError(f"options must be an HfOptions; got {type(options).__name__}")
+        self.options = options
         self.bridge = bridge_for(hf_config)
         self.dims = self.bridge.dims
         self.recipe = recipe
         self.device = torch.device(device)
         self.dtype = recipe.compute_dtype
         self.max_num_seqs, self.max_batch_tokens, self.max_prefill_tokens = (
-            max_num_seqs, max_batch_tokens, max_prefill_tokens)
-        self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+            options.max_num_seqs, options.max_batch_tokens, options.max_prefill_tokens)
+        self.cuda_graphs = options.cuda_graphs and self.device.type == "cuda"
         self.quantizer: Fp8Quantizer | None = None
         self.gemm: str | None = None
         if recipe.rollout_fp8:
-            self.gemm = resolve_gemm_backend(gemm, self.device)
+            self.gemm = resolve_gemm_backend(options.gemm, self.device)
             self.quantizer = quantizer if quantizer is not None else NativeQuantizer(
                 pow2_scales=recipe.fp8.pow2_scales, eps=recipe.fp8.amax_epsilon)
             ours = (self.quantizer.pow2_scales, self.quantizer.eps)
@@ -300,7 +296,8 @@ class HfEngine:
         self._closed = False
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, recipe: PrecisionRecipe, **kwargs) -> "HfEngine":
+    def from_checkpoint(cls, path: str | Path, recipe: PrecisionRecipe, options: HfOptions = HfOptions(),
+                        **kwargs) -> "HfEngine":
         """An engine with the weights of an HF checkpoint directory (safetensors; BF16, or an FP8
         block export as ``tools/convert_megatron_to_hf.py --fp8-block`` writes). BF16 linears the
         engine runs in FP8 are quantized with the recipe; FP8 linears of layers it keeps in BF16 are
@@ -310,7 +307,7 @@ class HfEngine:
         if qc is not None and list(qc.get("weight_block_size") or []) != list(WEIGHT_BLOCK):
             raise CheckpointError(f"{path}: quantization_config {qc} is not the FP8 block layout "
                                   f"(quant_method fp8, weight_block_size {list(WEIGHT_BLOCK)})")
-        engine = cls(checkpoint.config, recipe, **kwargs)
+        engine = cls(checkpoint.config, recipe, options, **kwargs)
         engine.load_checkpoint(checkpoint)
         return engine
 

@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from megatron_jetrl.ops import copy_segments, quantize_128x128
 from megatron_jetrl.precision import WEIGHT_BLOCK, Shard
+from megatron_jetrl.precision.kv_cache import kv_scale_names
 from megatron_jetrl.precision.quant import block_grid
-from megatron_jetrl.rollout.base import RolloutEngine, TensorMeta, check_against_specs
+from megatron_jetrl.rollout.base import RolloutEngine, TensorMeta, WeightMismatch, check_against_specs
 from megatron_jetrl.sync.plan import BLOCK, EngineTensor, Piece, SyncPlan
 
 CopyFn = Callable[[list, list, torch.Tensor], None]
@@ -215,11 +216,13 @@ class WeightSync:
     # ------------------------------------------------------------------ running
 
     def sync(self, sources: Mapping[str, Shard], engine: RolloutEngine, *, profile: bool = False,
-             in_place: bool = True) -> SyncReport:
+             in_place: bool = True, kv_scales: Optional[torch.Tensor] = None) -> SyncReport:
         """One full transfer into ``engine``. With ``profile`` every phase is synchronised so the
         report attributes time to it (slightly slower). With ``in_place`` and an engine that offers
         ``weight_buffers()``, the copy kernels write straight into the engine's tensors (those whose
         shape, dtype, device and contiguity match); the rest go through ``update_weights``.
+        ``kv_scales`` ([layers, 3]: q, k, v; every rank holds all) are the FP8 KV-cache scales the
+        trainer measured this step; they go to the engine after the weights, under vLLM's names.
 
         ``check`` runs first on every call (one small all-reduce): nothing is written into the engine
         and no rank enters an exchange unless every rank's sources and engine match the plan."""
@@ -235,6 +238,12 @@ class WeightSync:
             engine.update_weights(tensors)
             self._sync_device(profile)
             report.seconds["load"] += time.perf_counter() - t0
+        if kv_scales is not None:
+            names = kv_scale_names(self.plan.bridge.dims.num_layers)
+            if tuple(kv_scales.shape) != (len(names) // 3, 3):
+                raise WeightMismatch(f"kv_scales has shape {list(kv_scales.shape)}; the model has "
+                                     f"{len(names) // 3} layers x (q, k, v)")
+            engine.update_weights(list(zip(names, kv_scales.flatten().unbind(0), strict=True)))
         self._sync_device(True)
         report.seconds["total"] = time.perf_counter() - start
         return report

@@ -11,7 +11,7 @@ from megatron_jetrl.models import bridge_for
 from megatron_jetrl.models.fp8_export import to_fp8_block
 from megatron_jetrl.ops import NativeQuantizer
 from megatron_jetrl.precision import PrecisionRecipe, fp8_block_linear
-from megatron_jetrl.rollout import HfEngine, SamplingParams
+from megatron_jetrl.rollout import HfEngine, HfOptions, SamplingParams
 from megatron_jetrl.rollout.hf import Fp8InferenceLinear
 from tests.helpers import assert_same_bytes
 from tests.model_fixtures import FAMILIES
@@ -48,8 +48,8 @@ def _reference(arch):
     return reference_model(arch).cuda()
 
 
-def _engine(model, recipe, **kwargs):
-    engine = HfEngine(model.config.to_dict(), recipe, device="cuda", **kwargs)
+def _engine(model, recipe, quantizer=None, **options):
+    engine = HfEngine(model.config.to_dict(), recipe, HfOptions(**options), device="cuda", quantizer=quantizer)
     specs = engine.weight_specs()
     tensors = [(n, t) for n, t in model.state_dict().items() if n in specs]
     if recipe.rollout_fp8:

@@ -32,7 +32,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_jetrl.algo import cross_entropy_loss  # noqa: E402
-from megatron_jetrl.precision.kv_cache import kv_scale_names  # noqa: E402
 from megatron_jetrl.rollout import SamplingParams  # noqa: E402
 from megatron_jetrl.rollout.vllm_engine import VllmEngine, VllmOptions  # noqa: E402
 from megatron_jetrl.sync import SyncPlan, WeightSync  # noqa: E402
@@ -240,9 +239,8 @@ class Scenarios(SyncScenarios):
         result, kv = self._mismatch(actor, engine, kv_scales=fp8_kv)
         name = f"mismatch/{mode}"
         if fp8_kv:  # default scales (1.0) first; then the trainer's, measured on those samples
-            sync.sync(actor.weight_shards(), engine)  # a level-2 sleep discarded the weights
-            names = kv_scale_names(actor.bridge.dims.num_layers)
-            engine.update_weights(list(zip(names, kv.flatten().unbind(0), strict=True)))
+            # a level-2 sleep discarded the weights: all again, the scales with them (as the trainer)
+            sync.sync(actor.weight_shards(), engine, kv_scales=kv)
             calibrated, _ = self._mismatch(actor, engine)
             result = {**calibrated, "default_scales": result, "kv_scales": kv.tolist(),
                       "kv_scales_held_equal": kv_scales_held(engine) == kv.tolist()}

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.models.fp8_export import fp8_hf_config, to_fp8_block
 from megatron_jetrl.precision import Fp8Options, PrecisionRecipe, ReferenceQuantizer, fp8_block_linear
-from megatron_jetrl.rollout import HfEngine, SamplingParams, WeightMismatch
+from megatron_jetrl.rollout import HfEngine, HfOptions, SamplingParams, WeightMismatch
 from megatron_jetrl.rollout.hf import ARCHITECTURES, Fp8InferenceLinear, FusedProjection
 from tests.helpers import assert_same_bytes
 from tests.model_fixtures import FAMILIES, save_tiny_hf, tiny_hf_model
@@ -53,10 +53,10 @@ def _hf_tensors(model) -> list[tuple[str, torch.Tensor]]:
     return [(n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
 
 
-def _engine(model, recipe=BF16, **kwargs) -> HfEngine:
-    kwargs.setdefault("quantizer", ReferenceQuantizer() if recipe.rollout_fp8 else None)
-    kwargs.setdefault("gemm", "emulate")
-    engine = HfEngine(model.config.to_dict(), recipe, device="cpu", **kwargs)
+def _engine(model, recipe=BF16, **options) -> HfEngine:
+    options.setdefault("gemm", "emulate")
+    engine = HfEngine(model.config.to_dict(), recipe, HfOptions(**options), device="cpu",
+                      quantizer=ReferenceQuantizer() if recipe.rollout_fp8 else None)
     tensors = _hf_tensors(model)
     if recipe.rollout_fp8:
         tensors = list(to_fp8_block(bridge_for(model.config.to_dict()), recipe, tensors))
@@ -312,7 +312,7 @@ def test_bad_prompts_are_named():
     with pytest.raises(ValueError, match=r"stop_token_ids \[1000\] are outside the vocab"):
         engine.generate([[1]], SamplingParams(stop_token_ids=(VOCAB,)))
     with pytest.raises(ValueError, match="more KV-cache slots than max_batch_tokens"):
-        HfEngine(engine.bridge.hf_config, BF16, device="cpu", max_batch_tokens=8).generate([[1] * 5], GREEDY)
+        HfEngine(engine.bridge.hf_config, BF16, HfOptions(max_batch_tokens=8), device="cpu").generate([[1] * 5], GREEDY)
 
 
 def test_from_checkpoint_bf16_and_fp8_export(tmp_path):
@@ -323,9 +323,9 @@ def test_from_checkpoint_bf16_and_fp8_export(tmp_path):
     fp8_dir.mkdir()
     save_file({n: t.contiguous() for n, t in shipped.items()}, fp8_dir / "model.safetensors")
     (fp8_dir / "config.json").write_text(json.dumps(fp8_hf_config(bridge, FP8, model.config.to_dict())))
-    kw = dict(device="cpu", quantizer=ReferenceQuantizer(), gemm="emulate")
-    quantized_on_load = HfEngine.from_checkpoint(tmp_path / "bf16", FP8, **kw)
-    from_export = HfEngine.from_checkpoint(fp8_dir, FP8, **kw)
+    kw = dict(device="cpu", quantizer=ReferenceQuantizer())
+    quantized_on_load = HfEngine.from_checkpoint(tmp_path / "bf16", FP8, HfOptions(gemm="emulate"), **kw)
+    from_export = HfEngine.from_checkpoint(fp8_dir, FP8, HfOptions(gemm="emulate"), **kw)
     for engine in (quantized_on_load, from_export):
         state = engine.named_weights()
         for name, t in shipped.items():

@@ -14,6 +14,7 @@ from megatron_jetrl.models import ParallelLayout, bridge_for
 from megatron_jetrl.models.fp8_export import to_fp8_block
 from megatron_jetrl.ops import copy_segments, copy_segments_reference
 from megatron_jetrl.precision import Fp8Options, PrecisionRecipe
+from megatron_jetrl.precision.kv_cache import kv_scale_names
 from megatron_jetrl.rollout.base import TensorMeta, WeightMismatch
 from megatron_jetrl.sync import SyncPlan, WeightSync, engine_tensors_from_full, shard_state, simulate
 from tests.helpers import assert_same_bytes
@@ -208,6 +209,31 @@ def test_engine_mismatch_is_named_before_anything_is_written():
     sync.check(shards, ok)
     report = sync.sync(shards, ok)
     assert sorted(ok.loaded) == sorted(specs) and report.tensors == len(plan.names)
+
+
+def test_kv_cache_scales_go_with_the_weights_under_vllms_names():
+    bridge, full, _ = _model("Qwen3ForCausalLM")
+    recipe = PrecisionRecipe()
+    plan = SyncPlan(bridge, recipe, ParallelLayout(1, 1), 1, 1)
+    sync = WeightSync(plan, 0, copy=copy_segments_reference)
+    shards = shard_state(bridge, recipe, full, ParallelLayout(1, 1))[0]
+    layers = bridge.dims.num_layers
+    names = kv_scale_names(layers)
+    got = {}
+
+    class Engine(_RecordingEngine):
+        def update_weights(self, tensors):
+            super().update_weights(tensors)
+            got.update({n: float(t) for n, t in tensors if n in names})
+
+    engine = Engine({**sync.engine_specs(), **{n: TensorMeta((), torch.float32) for n in names}})
+    scales = torch.arange(1, 3 * layers + 1, dtype=torch.float32).reshape(layers, 3) / 1000
+    sync.sync(shards, engine, kv_scales=scales)
+    assert engine.loaded[-len(names):] == names  # after every weight
+    assert got == {n: float(v) for n, v in zip(names, scales.flatten(), strict=True)}
+    assert got["model.layers.1.self_attn.attn.k_scale"] == float(scales[1, 1])
+    with pytest.raises(WeightMismatch, match="kv_scales has shape"):
+        sync.sync(shards, engine, kv_scales=scales[:1])
 
 
 def test_source_mismatch_is_named():
