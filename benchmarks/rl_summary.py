@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-PHASES = ("generate", "advantages", "logprobs", "update", "sync", "step")
+PHASES = ("generate", "score", "advantages", "logprobs", "update", "sync", "step")
 TABLE_PHASES = ("generate", "logprobs", "update", "sync", "step")
 """The phases the study and scale tables show (advantages take milliseconds)."""
 

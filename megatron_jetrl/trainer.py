@@ -1,7 +1,8 @@
 """The RL loop. One step, on every rank of the job (colocated: trainer and engine share the GPUs):
 
-    generate   engine awake, actor offloaded: sample group_size responses per prompt, score them,
-               refill groups with equal rewards (dynamic sampling)
+    generate   engine awake, actor offloaded: sample group_size responses per prompt
+    score      their rewards (and overlong penalty); groups with equal rewards are refilled by
+               another generate + score round (dynamic sampling)
     advantages group-relative, from the rewards
     logprobs   engine asleep, actor on the GPU: the trainer's log π_old of every response token
                (and the FP8 KV-cache scales), mismatch metrics against the engine's logprobs,
@@ -28,9 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_jetrl.actor import OptimizerSettings
 from megatron_jetrl.algo import advantages as compute_advantages
-from megatron_jetrl.algo import cross_entropy_loss, make_policy_loss, mismatch_metrics, rollout_correction
+from megatron_jetrl.algo import make_policy_loss, mismatch_metrics, rollout_correction
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.data.datasets import Prompt
 from megatron_jetrl.data.filters import overlong_penalty
@@ -39,16 +39,18 @@ from megatron_jetrl.data.sampler import PromptSampler
 from megatron_jetrl.job import JobConfig, JobData, Resolved
 from megatron_jetrl.models.hf_checkpoint import CheckpointError
 from megatron_jetrl.rollout import RolloutEngine, SamplingParams, build_engine
-from megatron_jetrl.experience import Group, Response, StepRollouts, prompt_major, replica_share, supervised_batch
-from megatron_jetrl.experience import training_batch
+from megatron_jetrl.colocation import Colocation
+from megatron_jetrl.experience import Group, Response, StepRollouts, prompt_major, replica_share, training_batch
 from megatron_jetrl.runtime.atomic import save_json_atomic
 from megatron_jetrl.runtime.checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.console import ConsoleView
+from megatron_jetrl.runtime.memory import PhaseMemory
 from megatron_jetrl.runtime.metrics import MetricsLogger
 from megatron_jetrl.runtime.rng import load_rng, save_rng
 from megatron_jetrl.runtime.signals import EXIT_PREEMPTED, PreemptionSignal, any_rank
 from megatron_jetrl.runtime.timing import PhaseTimer
 from megatron_jetrl.sync import SyncPlan, WeightSync
+from megatron_jetrl.warmup import Warmup
 
 
 CONSOLE_KEYS = ("reward/mean", "len=response/length_mean", "entropy=actor/entropy", "k3_kl=rollout_corr/k3_kl",
@@ -79,9 +81,11 @@ class Trainer:
         self.checkpoints = RunCheckpoints(run_dir, job.run.keep_last, self.rank, self.world, barrier=dist.barrier)
         self.console = ConsoleView(job.run.steps, enabled=self.rank == 0 and job.log.console)
         self.timer = PhaseTimer(sync=torch.cuda.synchronize if self.device.type == "cuda" else None)
+        self.memory = PhaseMemory(self.device)
+        self.warmup = Warmup(job, resolved, data, run_dir, actor_cls=actor_cls, console=self.console)
         self.step = 0
-        self._memory: dict[str, int] = {}
         self.actor = None
+        self.colocation: Optional[Colocation] = None
         self.engine: Optional[RolloutEngine] = None
         self.metrics: Optional[MetricsLogger] = None
 
@@ -115,14 +119,13 @@ class Trainer:
         """One RL step (see the module docstring); returns its metrics."""
         self.step += 1
         self.timer.reset()
-        self._rollout_mode()
-        with self._phase("generate"):
-            rollouts = self.collect(self.job.data.prompts_per_step)
+        self.colocation.rollout_mode()
+        rollouts = self.collect(self.job.data.prompts_per_step)  # phases generate and score, per round
         with self._phase("advantages"):
             rewards = torch.tensor([r.reward for r in rollouts.responses])
             adv = compute_advantages(self.job.algo.advantage, rewards, self.job.algo.group_size)
             batch = training_batch(rollouts.groups, adv, mask_truncated=self.job.data.overlong.mode == "filter")
-        self._train_mode()
+        self.colocation.train_mode()
         metrics = rollouts.metrics()
         with self._phase("logprobs"):
             batch, extra, kv_scales = self.prepare_update(batch)
@@ -137,13 +140,13 @@ class Trainer:
         metrics["perf/tokens_per_step"] = float(batch.tokens.numel())
         metrics["perf/tokens_per_s_per_gpu"] = batch.tokens.numel() / seconds["step"] / self.world
         metrics["actor/steps"] = float(self.actor.steps)
-        metrics.update(self._memory_metrics())
+        metrics.update(self.memory.metrics())
         return metrics
 
     # ------------------------------------------------------------------ phases
 
     def collect(self, num_prompts: int) -> StepRollouts:
-        """Sample, generate and score until ``num_prompts`` groups carry a learning signal
+        """Sample prompts, generate and score until ``num_prompts`` groups carry a learning signal
         (dynamic sampling), or its round limit is reached."""
         ds = self.job.data.dynamic_sampling
         out = StepRollouts()
@@ -151,7 +154,10 @@ class Trainer:
             need = num_prompts - len(out.groups)
             indices = self.sampler.next(need)
             prompts = [self.train_set[i] for i in indices]
-            groups, timeouts, errors = self.generate(prompts, self.sampling, seed=self._seed(out.rounds))
+            with self._phase("generate"):
+                mine, samples = self.generate(prompts, self.sampling, seed=self._seed(out.rounds))
+            with self._phase("score"):
+                groups, timeouts, errors = self.score(prompts, mine, samples, self.sampling)
             out.rounds += 1
             out.prompts_sampled += len(prompts)
             out.groups_generated += len(groups)
@@ -169,12 +175,18 @@ class Trainer:
         return out
 
     def generate(self, prompts: list[Prompt], sampling: SamplingParams, *, seed: int
-                 ) -> tuple[list[Group], int, int]:
-        """Each rollout replica generates and scores its share of ``prompts``; every rank gets all
-        groups back in prompt order, with the reward timeouts and errors."""
+                 ) -> tuple[list[int], list]:
+        """This rank's rollout replica generates its share of ``prompts``: (their indices, the
+        engine's samples, prompt-major)."""
         mine = replica_share(prompts, self.replica, self.replicas)
         samples = self.engine.generate([list(prompts[i].token_ids) for i in mine],
                                        dataclasses.replace(sampling, seed=seed))
+        return mine, samples
+
+    def score(self, prompts: list[Prompt], mine: list[int], samples: list, sampling: SamplingParams
+              ) -> tuple[list[Group], int, int]:
+        """Rewards (and the overlong penalty) of every replica's samples; every rank gets all groups
+        back in prompt order, with the reward timeouts and errors."""
         part: tuple = ([], 0, 0)  # a rollout-TP follower: its replica's leader scores and reports
         if self.rank % self.resolved.rollout_tp == 0:
             texts = [self.tokenizer.decode(self._strip_stop(s.tokens)) for s in samples]
@@ -219,21 +231,22 @@ class Trainer:
         """The actor's weights (its FP8 bytes and scales) into the engine, and the FP8 KV-cache
         scales measured by this step's logprob pass when the engine keeps an FP8 KV cache. The
         engine retakes only its weight memory here; its KV cache waits until the actor has left the
-        GPU (``_rollout_mode``)."""
+        GPU (``Colocation.rollout_mode``)."""
         self.sync.sync(self.actor.weight_shards(), self.engine,
                        kv_scales=kv_scales if self.job.rollout.fp8_kv_cache else None)
-        self._engine_awake = False  # weights only
+        self.colocation.synced()
 
     def evaluate(self) -> dict[str, float]:
         """Mean score of one greedy response per evaluation prompt."""
         if self.eval_set is None:
             return {}
-        self._rollout_mode()
+        self.colocation.rollout_mode()
         start = time.perf_counter()
         n = min(len(self.eval_set), self.job.data.eval_size or len(self.eval_set))
         prompts = [self.eval_set[i] for i in range(n)]
         greedy = dataclasses.replace(self.sampling, n=1, temperature=0.0)
-        groups, _, _ = self.generate(prompts, greedy, seed=0)
+        mine, samples = self.generate(prompts, greedy, seed=0)
+        groups, _, _ = self.score(prompts, mine, samples, greedy)
         scores = [g.responses[0].score for g in groups]
         lengths = [len(g.responses[0].tokens) for g in groups]
         return {"eval/reward": sum(scores) / n, "eval/response_length": sum(lengths) / n,
@@ -251,7 +264,7 @@ class Trainer:
             raise ConfigError("run.resume", False, f"{self.run_dir} has checkpoints ({latest.name}); "
                               "use a new run.dir, or run.resume=true to continue")
         fresh = latest is None
-        if fresh and self.job.sft.steps and not self._warmup(preemption):
+        if fresh and self.job.sft.steps and not self.warmup.run(preemption, self._any_rank):
             return False
         self.actor = self._actor_cls(self.resolved.bridge, self.job.actor)
         initial = self._initial_weights()
@@ -266,16 +279,12 @@ class Trainer:
                                        start_step=self.step)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=self.job.log.tensorboard, wandb=self.job.log.wandb,
                                      enabled=self.rank == 0, config=self.job.to_dict(), start_step=self.step)
-        self._actor_offloaded = False
-        if self.job.rollout.offload_actor:  # the engine sizes its KV cache from the free GPU memory
-            self.actor.offload()
-            self._actor_offloaded = True
-        self.engine = self._build_engine()
-        self._engine_awake = True
+        self.colocation = Colocation(self.actor, offload_actor=self.job.rollout.offload_actor, sync=self.sync_weights)
+        self.engine = self.colocation.start_engine(self._build_engine)
         plan = SyncPlan(self.resolved.bridge, self.job.precision, self.job.actor.parallel,
                         self.resolved.rollout_tp, self.world)
         self.sync = WeightSync(plan, self.rank, device=self.device)
-        self._train_mode()
+        self.colocation.train_mode()
         self.sync_weights()
         if fresh and self.job.run.eval_every:
             metrics = self.evaluate()
@@ -285,13 +294,13 @@ class Trainer:
 
     def _initial_weights(self) -> Optional[Path]:
         if self.job.sft.steps:
-            return self._sft_checkpoints().latest() / "actor"
+            return self.warmup.weights()
         return Path(self.job.model.checkpoint) if self.job.model.checkpoint else None
 
     def save(self) -> None:
         """A checkpoint of this step: the actor (model, optimizer, scheduler), the data position and
         every rank's RNG states; written to a staging directory and renamed when complete."""
-        self._train_mode()
+        self.colocation.train_mode()
         start = time.perf_counter()
         staging = self.checkpoints.begin(self.step)
         self.actor.save(staging / "actor", extra={"step": self.step})
@@ -348,106 +357,18 @@ class Trainer:
         if self.actor is not None:
             self.actor.close()
 
-    # ------------------------------------------------------------------ supervised warm-up
-
-    def _sft_checkpoints(self) -> RunCheckpoints:
-        return RunCheckpoints(self.run_dir / "sft", 1, self.rank, self.world, barrier=dist.barrier)
-
-    def _warmup(self, preemption: PreemptionSignal) -> bool:
-        """``sft.steps`` of cross-entropy on the train records' responses with an actor of its own
-        (constant ``sft.lr``), saved once under run_dir/sft; the RL actor starts from it. A signal
-        stops it unsaved (False): a rerun starts the warm-up again."""
-        sft, ckpts = self.job.sft, self._sft_checkpoints()
-        ckpts.clean_stale()
-        if ckpts.latest() is not None:
-            return True
-        optimizer = OptimizerSettings(lr=sft.lr, weight_decay=self.job.actor.optimizer.weight_decay,
-                                      clip_grad=self.job.actor.optimizer.clip_grad,
-                                      initial_loss_scale=self.job.actor.optimizer.initial_loss_scale)
-        actor = self._actor_cls(self.resolved.bridge, dataclasses.replace(self.job.actor, optimizer=optimizer))
-        if self.job.model.checkpoint:
-            actor.load(self.job.model.checkpoint, model_only=True)
-        responses = self.train_set.records_field(sft.response_key, "sft.response_key")
-        g = torch.Generator().manual_seed(self.job.data.seed)
-        log = MetricsLogger(self.run_dir / "sft", tensorboard=self.job.log.tensorboard, enabled=self.rank == 0)
-        eos = self.tokenizer.eos_token_id
-        for k in range(1, sft.steps + 1):
-            idx = torch.randint(0, len(self.train_set), (sft.batch_size,), generator=g).tolist()
-            batch = supervised_batch([self.train_set[i].token_ids for i in idx],
-                                     [self.tokenizer.encode(responses[i]) + [eos] for i in idx])
-            with self.console.phase("sft"):
-                m = actor.update(batch, cross_entropy_loss)
-            log.log(k, {f"sft/{n}": v for n, v in m.items()})
-            if k % max(1, sft.steps // 10) == 0 or k == sft.steps:
-                self.console.log(f"sft {k}/{sft.steps} | loss {m['loss']:.4f}")
-            if preemption.agreed(self._any_rank):
-                log.close()
-                actor.close()
-                return False
-        staging = ckpts.begin(sft.steps)
-        actor.save(staging / "actor", extra={"sft_steps": sft.steps})
-        ckpts.commit(sft.steps)
-        log.close()
-        actor.close()
-        return True
-
-    # ------------------------------------------------------------------ colocation and helpers
+    # ------------------------------------------------------------------ helpers
 
     def _build_engine(self) -> RolloutEngine:
         return build_engine(self.job.rollout, self.job.precision, self.resolved.hf_config, device=self.device,
                             max_model_len=self.job.longest_sequence)
 
-    def _rollout_mode(self) -> None:
-        """The engine gets the GPU: actor offloaded (when colocated), engine awake. An engine whose
-        sleep discarded its weights since the last sync (vLLM's level 2, e.g. a checkpoint after an
-        evaluation) gets them again first, while the actor is still on the GPU."""
-        if getattr(self.engine, "weights_discarded", False):
-            self._train_mode()
-            self.sync_weights()
-        if self.job.rollout.offload_actor and not self._actor_offloaded:
-            self.actor.offload()
-            self._actor_offloaded = True
-        if not self._engine_awake:
-            self.engine.wake()
-            self._engine_awake = True
-
-    def _train_mode(self) -> None:
-        """The actor gets the GPU: engine asleep (when colocated), actor on the GPU."""
-        if self.job.rollout.offload_actor and self._engine_awake:
-            self.engine.sleep()
-            self._engine_awake = False
-        if self._actor_offloaded:
-            self.actor.onload()
-            self._actor_offloaded = False
-
     @contextlib.contextmanager
     def _phase(self, name: str):
         """Time a phase of the step (CUDA-synchronised), show it in the console view, and record
-        the GPU memory it peaked at (``_memory_metrics``)."""
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        with self.timer.phase(name), self.console.phase(name):
+        the GPU memory it peaked at."""
+        with self.timer.phase(name), self.console.phase(name), self.memory.track(name):
             yield
-        if cuda:
-            free, total = torch.cuda.mem_get_info(self.device)
-            mem = self._memory
-            mem[f"{name}_peak_allocated"] = max(mem.get(f"{name}_peak_allocated", 0),
-                                                torch.cuda.max_memory_allocated(self.device))
-            mem["peak_reserved"] = max(mem.get("peak_reserved", 0), torch.cuda.max_memory_reserved(self.device))
-            mem["device_used"] = max(mem.get("device_used", 0), total - free)
-
-    def _memory_metrics(self) -> dict[str, float]:
-        """This step's memory per GPU, the largest over ranks, in GiB: each phase's peak of
-        PyTorch-allocated bytes, the allocator's peak reservation, and the device's used memory at
-        the phase ends (PyTorch's plus CUDA context, NCCL, cuBLAS and CUDA graph pools)."""
-        if not self._memory:
-            return {}
-        names = sorted(self._memory)
-        t = torch.tensor([float(self._memory[n]) for n in names], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        self._memory = {}
-        return {f"memory/{n}_gib": v / 2**30 for n, v in zip(names, t.tolist(), strict=True)}
 
     def _seed(self, round_: int) -> int:
         """The sampling seed of this step's round: a function of run.seed, step, round and replica."""

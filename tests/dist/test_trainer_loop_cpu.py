@@ -163,7 +163,8 @@ def test_loop_runs_logs_and_checkpoints(tmp_path, process_group):
     rows = _rows(tmp_path / "a")
     assert sorted(rows) == [0, 1, 2, 3, 4]
     assert "eval/reward" in rows[0] and "eval/reward" in rows[2] and "eval/reward" in rows[4]
-    for key in ("reward/mean", "actor/loss", "actor/clip_fraction", "timing/generate_s", "timing/sync_s",
+    for key in ("reward/mean", "actor/loss", "actor/clip_fraction", "timing/generate_s", "timing/score_s",
+                "timing/sync_s",
                 "token_mult_prob_error", "rollout_corr/k3_kl", "perf/tokens_per_s_per_gpu",
                 "dynamic_sampling/rounds"):
         assert key in rows[3], key
