@@ -251,6 +251,27 @@ class ModelBridge:
         ]
         return specs
 
+    @property
+    def linear_names(self) -> tuple[str, ...]:
+        """HF module names of a decoder layer's linears, relative to the layer
+        (``self_attn.q_proj``, ...), in tensor-map order: from the layer map itself."""
+        prefix = "model.layers.0."
+        return tuple(n[len(prefix):-len(".weight")] for spec in self.layer_map(0) if spec.linear for n in spec.hf)
+
+    @property
+    def fused_projections(self) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+        """Linears of one input that megatron fuses into one GEMM, as (block, fused module name,
+        HF linears in row order): q/k/v -> ``self_attn.qkv_proj``, gate/up -> ``mlp.gate_up_proj``
+        (the names vLLM and the hf engine give the fused modules)."""
+        fused = {QKV: "qkv_proj", FC1: "gate_up_proj"}
+        out = []
+        for spec in self.layer_map(0):
+            if spec.linear and spec.fuse in fused:
+                names = [n[len("model.layers.0."):-len(".weight")] for n in spec.hf]
+                block = names[0].rpartition(".")[0]
+                out.append((block, fused[spec.fuse], tuple(n.rpartition(".")[2] for n in names)))
+        return tuple(out)
+
     def hf_shapes(self, spec: TensorSpec) -> list[tuple[int, ...]]:
         """Expected shapes of ``spec``'s HF sources."""
         d = self.dims
@@ -274,7 +295,10 @@ class ModelBridge:
         """The full (TP=1) Megatron tensor of ``spec`` from its HF sources (shapes checked)."""
         sources = {name: get_hf(name) for name in spec.hf}
         self.check_sources(spec, lambda name: sources[name].shape)
-        sources = list(sources.values())
+        return self._fuse(spec, list(sources.values()))
+
+    def _fuse(self, spec: TensorSpec, sources: list[torch.Tensor]) -> torch.Tensor:
+        """HF sources (in ``spec.hf`` order) -> the full Megatron tensor; shapes unchecked."""
         if spec.fuse == QKV:
             return layout.interleave_qkv(*sources, num_groups=self.dims.num_groups)
         if spec.fuse == FC1:
@@ -297,6 +321,34 @@ class ModelBridge:
         else:
             parts = (full,)
         return dict(zip(spec.hf, parts, strict=True))
+
+    def index_map(self, spec: TensorSpec, part: int, size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Where every index of HF tensor ``spec.hf[part]`` along the dim TP splits lives at TP
+        ``size``: (that dim, the TP rank holding it, its index in that rank's shard). Derived by
+        running this bridge's own conversion (``_fuse``, then ``tp_shard``) over index tensors, so
+        a caller (the weight sync's plan) shares these layout rules instead of restating them. A
+        tensor TP does not split is on every rank; rank 0 is named."""
+        dim = spec.tp_dim if spec.tp_dim is not None else 0
+        shapes = self.hf_shapes(spec)
+        sources, first = [], 1  # ids start at 1: vocab padding rows are 0
+        for shape in shapes:
+            view = [1] * len(shape)
+            view[dim] = shape[dim]
+            sources.append(torch.arange(first, first + shape[dim]).reshape(view))
+            first += shape[dim]
+        full = self._fuse(spec, sources)
+        lo = 1 + sum(shape[dim] for shape in shapes[:part])
+        n = shapes[part][dim]
+        src_tp = torch.full((n,), -1, dtype=torch.long)
+        src_local = torch.full((n,), -1, dtype=torch.long)
+        for rank in reversed(range(size)):  # reversed: rank 0 is named for what every rank holds
+            ids = self.tp_shard(spec, full, rank, size).reshape(-1)  # one dim of length > 1
+            local = ((ids >= lo) & (ids < lo + n)).nonzero().flatten()
+            src_tp[ids[local] - lo] = rank
+            src_local[ids[local] - lo] = local
+        if (src_tp < 0).any():
+            raise AssertionError(f"{spec.hf[part]}: {int((src_tp < 0).sum())} indices are on no TP rank")
+        return dim, src_tp, src_local
 
     def shard_shape(self, spec: TensorSpec, size: int) -> tuple[int, ...]:
         """Shape of every TP rank's ``tp_shard`` of ``spec`` at TP ``size`` (vocab padded to 128 x TP)."""

@@ -80,5 +80,6 @@ def fp8_plan(
 
 def fp8_hf_config(bridge: ModelBridge, recipe: PrecisionRecipe, hf_config: dict) -> dict:
     config = dict(hf_config)
-    config["quantization_config"] = recipe.quantization_config(bridge.dims.num_layers)
+    config["quantization_config"] = recipe.quantization_config(bridge.dims.num_layers,
+                                                               linear_names=bridge.linear_names)
     return config

@@ -27,7 +27,6 @@ from megatron_jetrl.precision.quant import (
     transpose_blocks,
 )
 from megatron_jetrl.precision.recipe import (
-    LLAMA_LINEAR_NAMES,
     Fp8Options,
     PrecisionMode,
     PrecisionRecipe,
@@ -39,7 +38,6 @@ __all__ = [
     "E4M3_MAX",
     "GEMM_BACKENDS",
     "GROUP_1x128",
-    "LLAMA_LINEAR_NAMES",
     "NAN_CODE",
     "WEIGHT_BLOCK",
     "Fp8BlockLinear",

@@ -17,18 +17,6 @@ import torch
 
 from megatron_jetrl.config import ConfigError, check_integer
 
-LLAMA_LINEAR_NAMES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
-"""HF module names of a decoder layer's linears for the Llama / Qwen2 / Qwen3 families."""
-
-
 class PrecisionMode(str, Enum):
     BF16 = "bf16"
     FP16 = "fp16"
@@ -192,14 +180,15 @@ class PrecisionRecipe:
         self,
         num_layers: int,
         *,
-        linear_names: Sequence[str] = LLAMA_LINEAR_NAMES,
+        linear_names: Sequence[str],
         layer_prefix: str = "model.layers",
     ) -> dict[str, Any] | None:
         """The HF / vLLM ``quantization_config`` of an FP8 block checkpoint of this recipe (the
         DeepSeek-V3 / Qwen-FP8 layout), or None when rollout is not FP8.
 
         Layers kept in BF16 are listed by module name under both ``ignored_layers`` (vLLM) and
-        ``modules_to_not_convert`` (transformers).
+        ``modules_to_not_convert`` (transformers): ``linear_names`` of each such layer (the model's
+        fact: ``ModelBridge.linear_names``).
         """
         if not self.rollout_fp8:
             return None
@@ -221,10 +210,16 @@ class PrecisionRecipe:
             config["modules_to_not_convert"] = list(skipped)
         return config
 
-    def vllm_settings(self, num_layers: int, **names: Any) -> VllmSettings:
-        env = {"VLLM_USE_DEEP_GEMM_E8M0": "1" if self.fp8.pow2_scales else "0"} if self.rollout_fp8 else {}
+    @property
+    def vllm_env(self) -> dict[str, str]:
+        """The environment vLLM must see for this recipe: DeepGEMM's scale format (FP8 rollout)."""
+        return {"VLLM_USE_DEEP_GEMM_E8M0": "1" if self.fp8.pow2_scales else "0"} if self.rollout_fp8 else {}
+
+    def vllm_settings(self, num_layers: int, *, linear_names: Sequence[str],
+                      layer_prefix: str = "model.layers") -> VllmSettings:
         dtype = "float16" if self.mode is PrecisionMode.FP16 else "bfloat16"
-        return VllmSettings(env=env, quantization_config=self.quantization_config(num_layers, **names), dtype=dtype)
+        config = self.quantization_config(num_layers, linear_names=linear_names, layer_prefix=layer_prefix)
+        return VllmSettings(env=self.vllm_env, quantization_config=config, dtype=dtype)
 
 
 def _as_pair(key: str, value: Any) -> tuple[int, int]:

@@ -48,7 +48,6 @@ from megatron_jetrl.models.fp8_export import SCALE_SUFFIX
 from megatron_jetrl.models.hf_checkpoint import CheckpointError, HFCheckpoint
 from megatron_jetrl.ops import NativeQuantizer
 from megatron_jetrl.precision import (
-    LLAMA_LINEAR_NAMES,
     WEIGHT_BLOCK,
     Fp8Quantizer,
     Fp8Tensor,
@@ -73,9 +72,6 @@ ARCHITECTURES: dict[str, tuple[type[transformers.PreTrainedModel], type[torch.nn
     "Qwen3ForCausalLM": (transformers.Qwen3ForCausalLM, modeling_qwen3.Qwen3RMSNorm),
 }
 """The transformers model class and RMSNorm class of each supported ``architectures`` entry."""
-
-FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
-"""Projections of one input that run as one GEMM: (block, fused module name, HF linears in row order)."""
 
 ATTENTION = "jetrl_slot_attention"
 """Name under which ``slot_attention`` is registered with transformers' ``AttentionInterface``."""
@@ -593,11 +589,11 @@ class HfEngine:
         """HF module names of the linears that run in FP8: those the recipe's quantization_config
         does not ignore."""
         n = self.dims.num_layers
-        qc = self.recipe.quantization_config(n)
+        qc = self.recipe.quantization_config(n, linear_names=self.bridge.linear_names)
         if qc is None:
             return set()
         ignored = set(qc.get("ignored_layers", ()))
-        return {f"model.layers.{i}.{name}" for i in range(n) for name in LLAMA_LINEAR_NAMES} - ignored
+        return {f"model.layers.{i}.{name}" for i in range(n) for name in self.bridge.linear_names} - ignored
 
     def _build_model(self, hf_config: dict) -> tuple[transformers.PreTrainedModel, dict[str, WeightSlot]]:
         """The architecture's model on ``device`` with uninitialized weights (built on the meta
@@ -618,7 +614,7 @@ class HfEngine:
                     tuple(norm.weight.shape), eps=norm.variance_epsilon, device="meta", dtype=self.dtype))
         slots: dict[str, WeightSlot] = {}
         for i in range(self.dims.num_layers):
-            for block_name, fused_name, parts in FUSED:
+            for block_name, fused_name, parts in self.bridge.fused_projections:
                 block = model.get_submodule(f"model.layers.{i}.{block_name}")
                 prefix = f"model.layers.{i}.{block_name}."
                 linears = [getattr(block, p) for p in parts]
@@ -627,7 +623,7 @@ class HfEngine:
                 whole_blocks = all(lin.out_features % WEIGHT_BLOCK[0] == 0 for lin in linears)
                 if len(fp8) == 1 and len(biased) == 1 and (whole_blocks or fp8 == {False}):
                     self._fuse(block, fused_name, parts, prefix, fp8.pop(), biased.pop(), slots)
-            for name in LLAMA_LINEAR_NAMES:
+            for name in self.bridge.linear_names:
                 full = f"model.layers.{i}.{name}"
                 if full + ".weight" not in slots:
                     slots.update(self._plain_linear(model, full, full in self.fp8_modules))

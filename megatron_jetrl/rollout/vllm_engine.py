@@ -182,7 +182,7 @@ def engine_env(recipe: PrecisionRecipe, options: VllmOptions, num_layers: int) -
     """Environment variables vLLM must see (it reads them at import or first use, so the launcher
     sets them before the process imports vLLM): the recipe's scale format for DeepGEMM and the
     FP8 GEMM choice."""
-    env = dict(recipe.vllm_settings(num_layers).env)
+    env = dict(recipe.vllm_env)
     if recipe.rollout_fp8:
         env["VLLM_USE_DEEP_GEMM"] = "1" if options.fp8_gemm == "deep_gemm" else "0"
     return env
@@ -204,7 +204,7 @@ def llm_kwargs(model_path: str | Path, hf_config: Mapping[str, Any], recipe: Pre
                options: VllmOptions) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments of this engine (``vllm.EngineArgs`` fields)."""
     bridge = bridge_for(dict(hf_config))
-    settings = recipe.vllm_settings(bridge.dims.num_layers)
+    settings = recipe.vllm_settings(bridge.dims.num_layers, linear_names=bridge.linear_names)
     quant = settings.quantization_config
     kwargs = dict(
         model=str(model_path),

@@ -10,9 +10,11 @@ receives without asking anyone.
     piece           a run of consecutive indices along the split dim that comes from one train
                     rank's shard, contiguous there too
 
-Index maps (HF index -> (train TP rank, index in its shard)) follow the bridge's layouts
-(``models/layout.py``): linear_qkv interleaves [q heads | k | v] per query group and TP splits
-whole groups; linear_fc1 holds [gate_r; up_r] on rank r; vocab tensors are padded to 128 x TP.
+Index maps (HF index -> (train TP rank, index in its shard)) come from the bridge
+(``ModelBridge.index_map``: its own conversion run over index tensors), so the layout rules of
+``models/layout.py`` (linear_qkv interleaves [q heads | k | v] per query group and TP splits whole
+groups; linear_fc1 holds [gate_r; up_r] on rank r; vocab tensors are padded to 128 x TP) are
+stated once.
 
 Sources: the engine on global rank g reads from the train ranks of g's own data-parallel replica
 (megatron's rank order tp-dp-pp: rank = tp + TP * (dp + DP * pp)), so traffic stays within a
@@ -36,7 +38,7 @@ import torch
 
 from megatron_jetrl.config import ConfigError, check_integer
 from megatron_jetrl.models import ModelBridge, ParallelLayout, TensorSpec
-from megatron_jetrl.models.bridge import FC1, QKV, VOCAB
+from megatron_jetrl.models.bridge import VOCAB
 from megatron_jetrl.models.fp8_export import SCALE_SUFFIX
 from megatron_jetrl.models.layout import pp_layer_range
 from megatron_jetrl.precision import WEIGHT_BLOCK, PrecisionRecipe
@@ -194,7 +196,7 @@ class SyncPlan:
             pp = self._pp_stage(spec)
             fp8 = self._rollout_fp8(spec)
             for part, (hf_name, hf_shape) in enumerate(zip(spec.hf, self.bridge.hf_shapes(spec), strict=True)):
-                dim, src_tp, src_local = self._index_map(spec, part, hf_shape)
+                dim, src_tp, src_local = self.bridge.index_map(spec, part, self.train.tp)
                 lo, hi = 0, hf_shape[dim]
                 if spec.tp_dim is not None and spec.fuse != VOCAB:
                     per = hi // self.rollout_tp
@@ -225,34 +227,6 @@ class SyncPlan:
             if p.length % BLOCK and not (p.src_start + p.length == src_len and p.dst_start + p.length == shape[dim]):
                 return False
         return True
-
-    def _index_map(self, spec: TensorSpec, part: int, hf_shape: tuple[int, ...]):
-        """(split dim, train TP rank, index in that rank's shard) for every index of HF tensor
-        ``spec.hf[part]`` along the dim TP splits."""
-        d, T = self.bridge.dims, self.train.tp
-        if spec.fuse == QKV:
-            P, hd = d.num_heads // d.num_groups, d.head_dim
-            i = torch.arange(hf_shape[0])
-            head, j = i // hd, i % hd
-            group, slot = (head // P, head % P) if part == 0 else (head, torch.full_like(head, P + part - 1))
-            full = group * (P + 2) * hd + slot * hd + j
-            per = (d.num_groups // T) * (P + 2) * hd
-            return 0, full // per, full % per
-        if spec.fuse == FC1:
-            per = d.ffn_hidden_size // T
-            i = torch.arange(d.ffn_hidden_size)
-            return 0, i // per, part * per + i % per
-        if spec.fuse == VOCAB:
-            per = self.bridge.padded_vocab_size(T) // T
-            i = torch.arange(d.vocab_size)
-            return 0, i // per, i % per
-        if spec.tp_dim is None:
-            i = torch.arange(hf_shape[0])
-            return 0, torch.zeros_like(i), i
-        dim = spec.tp_dim
-        per = hf_shape[dim] // T
-        i = torch.arange(hf_shape[dim])
-        return dim, i // per, i % per
 
 
 def _runs(src_tp: torch.Tensor, src_local: torch.Tensor, src: str, pp: int, tp_size: int) -> tuple[Piece, ...]:

@@ -82,7 +82,9 @@ def test_llm_arguments_build_a_block_fp8_model_config(arch, tmp_path):
     assert isinstance(cfg.quant_config, Fp8Config)
     assert cfg.quant_config.weight_block_size == [128, 128]
     assert cfg.quant_config.activation_scheme == "dynamic" and cfg.quant_config.is_checkpoint_fp8_serialized
-    assert cfg.model_config.hf_config.quantization_config == PrecisionRecipe().quantization_config(2)
+    names = bridge_for(tiny_model(arch).config.to_dict()).linear_names
+    want = PrecisionRecipe().quantization_config(2, linear_names=names)
+    assert cfg.model_config.hf_config.quantization_config == want
     assert cfg.model_config.logprobs_mode == "raw_logprobs"
     assert cfg.model_config.dtype == torch.bfloat16
     assert cfg.load_config.load_format == "dummy"
@@ -95,13 +97,13 @@ def test_llm_arguments_build_a_block_fp8_model_config(arch, tmp_path):
     # The recipe decides, whatever the checkpoint's config.json says (here: an FP8 export's).
     exported = write_config(tiny_model(arch), tmp_path / "fp8-export")
     config = json.loads((exported / "config.json").read_text())
-    config["quantization_config"] = PrecisionRecipe().quantization_config(2)
+    config["quantization_config"] = PrecisionRecipe().quantization_config(2, linear_names=names)
     (exported / "config.json").write_text(json.dumps(config))
     bf16 = cpu_vllm_config(exported, PrecisionRecipe(mode=PrecisionMode.BF16))
     assert bf16.quant_config is None and bf16.model_config.quantization is None
     keep_first = PrecisionRecipe(fp8=Fp8Options(bf16_first_layers=1))
-    assert cpu_vllm_config(exported, keep_first).quant_config.ignored_layers == keep_first.quantization_config(2)[
-        "ignored_layers"]
+    assert cpu_vllm_config(exported, keep_first).quant_config.ignored_layers == keep_first.quantization_config(
+        2, linear_names=names)["ignored_layers"]
 
 
 def test_sampling_maps_to_valid_vllm_params():

@@ -136,3 +136,44 @@ def test_unsupported_rope_scaling_is_rejected():
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
     with pytest.raises(ConfigError, match="llama3"):
         bridge_for(config)
+
+
+def test_index_map_by_hand():
+    """The sync plan's index maps, derived by the bridge from its own conversion, against a case
+    written out by hand (an independent check: the plan's other tests share the bridge's source).
+    4 query heads in 2 groups, head_dim 2, TP 2: rank r holds group r = [q of heads 2r, 2r+1 | k_r | v_r],
+    8 rows per rank; fc1 holds [gate_r; up_r]; the vocab (10 rows) is padded to 256 = 128 x 2."""
+    b = bridge_for({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 128,
+                    "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 2, "vocab_size": 10, "max_position_embeddings": 64,
+                    "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": False})
+    spec = {s.megatron: s for s in b.tensor_map()}
+    qkv = spec["decoder.layers.0.self_attention.linear_qkv.weight"]
+    dim, rank, local = b.index_map(qkv, 0, 2)  # q: 8 rows = 4 heads x 2
+    assert dim == 0 and rank.tolist() == [0, 0, 0, 0, 1, 1, 1, 1] and local.tolist() == [0, 1, 2, 3] * 2
+    _, rank, local = b.index_map(qkv, 1, 2)  # k: 2 groups x 2 rows, after the group's 4 q rows
+    assert rank.tolist() == [0, 0, 1, 1] and local.tolist() == [4, 5, 4, 5]
+    _, rank, local = b.index_map(qkv, 2, 2)  # v: after k
+    assert rank.tolist() == [0, 0, 1, 1] and local.tolist() == [6, 7, 6, 7]
+    fc1 = spec["decoder.layers.0.mlp.linear_fc1.weight"]
+    _, rank, local = b.index_map(fc1, 1, 2)  # up: 256 rows, rank r holds [gate_r (128); up_r (128)]
+    assert rank.tolist() == [0] * 128 + [1] * 128 and local.tolist() == list(range(128, 256)) * 2
+    fc2 = spec["decoder.layers.0.mlp.linear_fc2.weight"]
+    dim, rank, local = b.index_map(fc2, 0, 2)  # row-parallel: columns split
+    assert dim == 1 and rank.tolist() == [0] * 128 + [1] * 128 and local.tolist() == list(range(128)) * 2
+    emb = spec["embedding.word_embeddings.weight"]
+    _, rank, local = b.index_map(emb, 0, 2)  # 10 rows, all in rank 0's 128-row shard
+    assert rank.tolist() == [0] * 10 and local.tolist() == list(range(10))
+    norm = next(s for s in spec.values() if s.tp_dim is None and s.layer == 0)  # a layer norm
+    dim, rank, local = b.index_map(norm, 0, 2)  # not split: rank 0 is named
+    assert dim == 0 and rank.unique().tolist() == [0] and local.tolist() == list(range(norm.shape[0]))
+
+
+def test_linear_names_and_fused_projections_come_from_the_tensor_map(family):
+    """The facts the recipe's quantization_config and the hf engine use, stated once (the layer map)."""
+    _, config, _ = family
+    b = bridge_for(config)
+    assert b.linear_names == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert b.fused_projections == (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                   ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))

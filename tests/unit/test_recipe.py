@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from megatron_jetrl.config import ConfigError, build
-from megatron_jetrl.precision import LLAMA_LINEAR_NAMES, Fp8Options, PrecisionMode, PrecisionRecipe
+from megatron_jetrl.precision import Fp8Options, PrecisionMode, PrecisionRecipe
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+"""A Llama-family layer's linears (the bridge's ``linear_names``; tests/unit/test_bridges.py pins them)."""
 
 QUANT_CONFIG = {
     "quant_method": "fp8",
@@ -137,7 +141,8 @@ def test_layer_in_fp8_keeps_first_and_last_layers_in_bf16():
 
 def test_too_many_bf16_layers_is_a_config_error():
     r = PrecisionRecipe(fp8=Fp8Options(bf16_first_layers=2, bf16_last_layers=2))
-    for call in (lambda: r.te_settings(3), lambda: r.quantization_config(3), lambda: r.layer_in_fp8(0, 3)):
+    for call in (lambda: r.te_settings(3), lambda: r.quantization_config(3, linear_names=LINEARS),
+                 lambda: r.layer_in_fp8(0, 3)):
         with pytest.raises(ConfigError, match=r"precision\.fp8\.bf16_first_layers.*<= num_layers \(3\)"):
             call()
     assert r.te_settings(4) is not None
@@ -180,18 +185,18 @@ def test_te_settings_none_when_training_is_not_fp8(mode):
 
 @pytest.mark.parametrize("mode", ["fp8", "bf16-train+fp8-rollout"])
 def test_quantization_config_for_fp8_rollout(mode):
-    assert PrecisionRecipe(mode=mode).quantization_config(4) == QUANT_CONFIG
+    assert PrecisionRecipe(mode=mode).quantization_config(4, linear_names=LINEARS) == QUANT_CONFIG
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 def test_quantization_config_none_without_fp8_rollout(mode):
-    assert PrecisionRecipe(mode=mode).quantization_config(4) is None
+    assert PrecisionRecipe(mode=mode).quantization_config(4, linear_names=LINEARS) is None
 
 
 def test_quantization_config_lists_bf16_layers():
     r = PrecisionRecipe(fp8=Fp8Options(bf16_first_layers=1, bf16_last_layers=1))
-    config = r.quantization_config(4)
-    skipped = [f"model.layers.{i}.{name}" for i in (0, 3) for name in LLAMA_LINEAR_NAMES]
+    config = r.quantization_config(4, linear_names=LINEARS)
+    skipped = [f"model.layers.{i}.{name}" for i in (0, 3) for name in LINEARS]
     assert config == {**QUANT_CONFIG, "ignored_layers": skipped, "modules_to_not_convert": skipped}
     assert "model.layers.0.self_attn.q_proj" in skipped and "model.layers.3.mlp.down_proj" in skipped
     assert config["ignored_layers"] is not config["modules_to_not_convert"]
@@ -205,12 +210,12 @@ def test_quantization_config_custom_names():
 
 def test_ablation_mode_keeps_bf16_layers_in_rollout_config():
     r = PrecisionRecipe(mode="bf16-train+fp8-rollout", fp8=Fp8Options(bf16_first_layers=1))
-    assert r.quantization_config(2)["ignored_layers"] == [f"model.layers.0.{n}" for n in LLAMA_LINEAR_NAMES]
+    assert r.quantization_config(2, linear_names=LINEARS)["ignored_layers"] == [f"model.layers.0.{n}" for n in LINEARS]
 
 
 @pytest.mark.parametrize("pow2, flag", [(False, "0"), (True, "1")])
 def test_vllm_settings_fp8(pow2, flag):
-    s = PrecisionRecipe(fp8=Fp8Options(pow2_scales=pow2)).vllm_settings(4)
+    s = PrecisionRecipe(fp8=Fp8Options(pow2_scales=pow2)).vllm_settings(4, linear_names=LINEARS)
     assert s.env == {"VLLM_USE_DEEP_GEMM_E8M0": flag}
     assert s.quantization_config == QUANT_CONFIG
     assert s.dtype == "bfloat16"
@@ -218,7 +223,7 @@ def test_vllm_settings_fp8(pow2, flag):
 
 @pytest.mark.parametrize("mode, dtype", [("bf16", "bfloat16"), ("fp16", "float16")])
 def test_vllm_settings_without_fp8(mode, dtype):
-    s = PrecisionRecipe(mode=mode).vllm_settings(4)
+    s = PrecisionRecipe(mode=mode).vllm_settings(4, linear_names=LINEARS)
     assert s.env == {} and s.quantization_config is None and s.dtype == dtype
 
 

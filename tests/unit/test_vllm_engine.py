@@ -39,8 +39,8 @@ def test_environment_check_names_variable_and_value():
 
 
 def test_recipe_environment_keeps_fp32_scales():
-    assert PrecisionRecipe().vllm_settings(2).env == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
-    assert PrecisionRecipe(mode=PrecisionMode.BF16).vllm_settings(2).env == {}
+    assert PrecisionRecipe().vllm_env == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    assert PrecisionRecipe(mode=PrecisionMode.BF16).vllm_env == {}
 
 
 def test_engine_environment_names_the_fp8_gemm():
@@ -66,7 +66,8 @@ def test_llm_kwargs_carry_the_recipe():
     config = tiny_hf_model("Qwen3ForCausalLM").config.to_dict()
     recipe = PrecisionRecipe(fp8=Fp8Options(bf16_last_layers=1))
     kw = llm_kwargs("/ckpt", config, recipe, VllmOptions(tensor_parallel_size=2, kv_cache_dtype="fp8"))
-    assert kw["hf_overrides"] == {"quantization_config": recipe.quantization_config(2)}
+    names = bridge_for(config).linear_names
+    assert kw["hf_overrides"] == {"quantization_config": recipe.quantization_config(2, linear_names=names)}
     assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16"
     assert kw["hf_overrides"]["quantization_config"]["ignored_layers"][0] == "model.layers.1.self_attn.q_proj"
     assert (kw["distributed_executor_backend"], kw["load_format"], kw["logprobs_mode"]) == (
