@@ -286,8 +286,11 @@ class HfEngine:
         self._specs = {name: TensorMeta(tuple(slot.view().shape), slot.view().dtype)
                        for name, slot in self._slots.items()}
         self._storages = list({id(slot.storage()): slot.storage() for slot in self._slots.values()}.values())
+        self._shapes = [tuple(t.shape) for t in self._storages]
         self._host: list[torch.Tensor] = []
         self._weights_on_device = True
+        self._missing: set[str] = set(self._specs)
+        """Tensors not loaded since the weights were created or dropped by a sleep."""
         self._awake = True
         self._closed = False
 
@@ -324,7 +327,9 @@ class HfEngine:
         self._check_open()
         if not self._weights_on_device:
             self._restore_weights()
-        return self.named_weights()
+        buffers = self.named_weights()
+        self._missing.difference_update(buffers)  # the caller writes all of them
+        return buffers
 
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._check_open()
@@ -343,6 +348,7 @@ class HfEngine:
         with torch.no_grad():
             for name, t in batch:
                 self._slots[name].view().copy_(t)
+        self._missing.difference_update(metas)
 
     def load_checkpoint(self, checkpoint: HFCheckpoint | str | Path, *, bucket_bytes: int = 1 << 30) -> None:
         """Load every engine tensor from an HF checkpoint (see ``from_checkpoint``); every name is
@@ -391,10 +397,22 @@ class HfEngine:
                 yield name, t.to(self._specs[name].dtype)
 
     # -- memory -------------------------------------------------------------------------------
+    @property
+    def weights_discarded(self) -> bool:
+        """True while some weight tensor has not been loaded since the weights were created or
+        dropped by a sleep (``generate`` refuses until it has)."""
+        return bool(self._missing)
+
     def sleep(self) -> None:
-        """Weights to (pinned, on CUDA) host memory, kept there across steps; the cache allocator's
-        free blocks back to the driver."""
+        """The weights dropped (default: the next sync writes them all), or with
+        ``sleep_keeps_weights`` moved to (pinned, on CUDA) host memory, kept there across steps;
+        the cache allocator's free blocks back to the driver."""
         self._check_open()
+        if self._weights_on_device and not self.options.sleep_keeps_weights:
+            for t in self._storages:
+                t.data = torch.empty(0, dtype=t.dtype, device=self.device)
+            self._weights_on_device = False
+            self._missing = set(self._specs)
         if self._weights_on_device:
             pin = self.device.type == "cuda"
             if not self._host:
@@ -423,9 +441,15 @@ class HfEngine:
         self._release_cache()
 
     def _restore_weights(self) -> None:
-        for t, host in zip(self._storages, self._host, strict=True):
-            t.data = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-            t.copy_(host, non_blocking=True)
+        """Weight memory back on the device: the kept host copy, or (dropped) uninitialised memory
+        that ``_missing`` says must be written before the next ``generate``."""
+        if self.options.sleep_keeps_weights:
+            for t, host in zip(self._storages, self._host, strict=True):
+                t.data = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                t.copy_(host, non_blocking=True)
+        else:
+            for t, shape in zip(self._storages, self._shapes, strict=True):
+                t.data = torch.empty(shape, dtype=t.dtype, device=self.device)
         self._weights_on_device = True
 
     def _release_cache(self) -> None:
@@ -444,6 +468,10 @@ class HfEngine:
         prompts = self._check_prompts(prompt_token_ids, sampling)
         if not self._awake:
             raise RuntimeError("the hf engine is asleep; call wake() before generate()")
+        if self._missing:
+            raise RuntimeError(f"hf engine: {len(self._missing)} weight tensors were never loaded since the weights "
+                               f"were created or dropped by a sleep (e.g. {sorted(self._missing)[:3]}); "
+                               "update_weights with all of weight_specs() (a weight sync) first")
         n, T = sampling.n, sampling.max_new_tokens
         rows = [i for i in range(len(prompts)) for _ in range(n)]
         order = sorted(range(len(rows)), key=lambda r: -len(prompts[rows[r]]))

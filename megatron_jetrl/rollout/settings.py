@@ -18,13 +18,17 @@ ENGINES = ("hf", "vllm")
 
 @dataclass(frozen=True)
 class HfOptions:
-    """The ``rollout.hf`` section (see ``HfEngine``): batch limits of the transformers engine."""
+    """The ``rollout.hf`` section (see ``HfEngine``): batch limits of the transformers engine, and
+    what its sleep does with the weights: drop them (default; the next sync overwrites them all
+    anyway, so copying them to host and back each step would only cost time and host memory) or,
+    with ``sleep_keeps_weights``, keep them in (pinned) host memory for a later wake."""
 
     max_num_seqs: int = 256
     max_batch_tokens: int = 131072
     max_prefill_tokens: int = 16384
     cuda_graphs: bool = True
     gemm: str = "auto"
+    sleep_keeps_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_batch_tokens", "max_prefill_tokens"):
@@ -32,6 +36,9 @@ class HfOptions:
             check_integer(f"rollout.hf.{name}", v, minimum=1)
         if self.gemm not in GEMM_BACKENDS:
             raise ConfigError("rollout.hf.gemm", self.gemm, f"must be one of {GEMM_BACKENDS}")
+        for name in ("cuda_graphs", "sleep_keeps_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"rollout.hf.{name}", getattr(self, name), "must be true or false")
 
 
 @dataclass(frozen=True)

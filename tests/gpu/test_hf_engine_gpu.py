@@ -50,12 +50,16 @@ def _reference(arch):
 
 def _engine(model, recipe, quantizer=None, **options):
     engine = HfEngine(model.config.to_dict(), recipe, HfOptions(**options), device="cuda", quantizer=quantizer)
+    _load(engine, model, recipe)
+    return engine
+
+
+def _load(engine, model, recipe):
     specs = engine.weight_specs()
     tensors = [(n, t) for n, t in model.state_dict().items() if n in specs]
     if recipe.rollout_fp8:
         tensors = list(to_fp8_block(bridge_for(model.config.to_dict()), recipe, tensors))
     engine.update_weights(tensors)
-    return engine
 
 
 def _scored(model, prompt, tokens):
@@ -94,9 +98,12 @@ def test_cuda_graph_decoding_equals_eager(hopper, recipe):
         assert graphs.generate(prompts, params) == eager.generate(prompts, params)
 
 
-def test_sleep_releases_weight_memory_and_wake_restores_outputs(hopper):
+@pytest.mark.parametrize("keep", [True, False], ids=["keeps-weights", "drops-weights"])
+def test_sleep_releases_weight_memory_and_wake_restores_outputs(hopper, keep):
+    """Both sleeps free the weight memory; a dropping sleep (the default) needs the weights again
+    (here: the reference model's, as a sync would write them) before the same outputs come back."""
     model = _reference("Qwen3ForCausalLM")
-    engine = _engine(model, FP8)
+    engine = _engine(model, FP8, sleep_keeps_weights=keep)
     prompts = [[1, 2, 3, 4], [5, 6]]
     params = SamplingParams(n=2, max_new_tokens=16, seed=0)
     before = engine.generate(prompts, params)
@@ -106,4 +113,7 @@ def test_sleep_releases_weight_memory_and_wake_restores_outputs(hopper):
     engine.sleep()
     assert awake - torch.cuda.memory_allocated() >= weight_bytes
     engine.wake()
+    if not keep:
+        assert engine.weights_discarded
+        _load(engine, model, FP8)
     assert engine.generate(prompts, params) == before

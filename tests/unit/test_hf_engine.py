@@ -274,7 +274,7 @@ def test_fp8_update_rejects_bf16_for_an_fp8_weight():
 
 def test_sleep_wake_and_a_second_update():
     model = reference_model("Qwen2ForCausalLM")
-    engine = _engine(model, FP8)
+    engine = _engine(model, FP8, sleep_keeps_weights=True)
     prompts = _prompts()
     params = SamplingParams(n=2, max_new_tokens=6, seed=3)
     before = engine.generate(prompts, params)
@@ -294,6 +294,39 @@ def test_sleep_wake_and_a_second_update():
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(prompts, params)
+
+
+def test_sleep_drops_the_weights_until_every_tensor_arrives_again():
+    """The default sleep keeps nothing (the next sync writes every tensor): a generate before that
+    is refused, naming what is missing; a partial update is not enough; a full one, or the sync's
+    in-place buffers, restore the outputs."""
+    model = reference_model("Qwen3ForCausalLM")
+    engine = _engine(model, FP8)
+    prompts, params = _prompts(), SamplingParams(n=2, max_new_tokens=6, seed=3)
+    before = engine.generate(prompts, params)
+    assert not engine.weights_discarded
+    engine.sleep()
+    assert engine.weights_discarded and not engine._host  # nothing copied to the host
+    engine.wake()
+    with pytest.raises(RuntimeError, match="never loaded since the weights were created or dropped"):
+        engine.generate(prompts, params)
+    tensors = list(to_fp8_block(bridge_for(model.config.to_dict()), FP8, _hf_tensors(model)))
+    engine.update_weights(tensors[:3])
+    assert engine.weights_discarded
+    with pytest.raises(RuntimeError, match="never loaded"):
+        engine.generate(prompts, params)
+    engine.update_weights(tensors[3:])
+    assert not engine.weights_discarded and engine.generate(prompts, params) == before
+    engine.sleep()
+    buffers = engine.weight_buffers()  # what an in-place sync writes: all of them
+    for name, t in tensors:
+        buffers[name].copy_(t)
+    engine.wake()
+    assert engine.generate(prompts, params) == before
+    fresh = HfEngine(model.config.to_dict(), FP8, HfOptions(gemm="emulate"), device="cpu",
+                     quantizer=ReferenceQuantizer())
+    with pytest.raises(RuntimeError, match="never loaded"):  # created: no weights yet
+        fresh.generate(prompts, params)
 
 
 def test_bad_prompts_are_named():
