@@ -6,15 +6,12 @@ Validation happens at construction and names the key, so a bad value fails befor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
-from megatron_jetrl.config import ConfigError, check_integer, check_number
+from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
 from megatron_jetrl.models import ParallelLayout
-from megatron_jetrl.precision import GEMM_BACKENDS, PrecisionRecipe
+from megatron_jetrl.precision import PrecisionRecipe
 
-FP8_BACKENDS = ("native", "te")
-RECOMPUTE = ("none", "full")
-DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -32,7 +29,7 @@ class OptimizerSettings:
     clip_grad: float = 1.0
     warmup_steps: int = 0
     decay_steps: Optional[int] = None
-    decay_style: str = "constant"
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
     initial_loss_scale: float = 2.0**16
     """FP16 only: the starting dynamic loss scale (megatron halves it on overflow, grows it after
     ``loss_scale_window`` clean steps)."""
@@ -40,6 +37,7 @@ class OptimizerSettings:
 
     def __post_init__(self) -> None:
         k = "actor.optimizer"
+        check_fields(self, k, ("decay_style",))
         check_number(f"{k}.lr", self.lr, low=0.0, low_open=True)
         check_number(f"{k}.min_lr", self.min_lr, low=0.0)
         if self.min_lr > self.lr:
@@ -52,8 +50,6 @@ class OptimizerSettings:
         check_number(f"{k}.adam_eps", self.adam_eps, low=0.0, low_open=True)
         check_number(f"{k}.clip_grad", self.clip_grad, low=0.0)
         check_integer(f"{k}.warmup_steps", self.warmup_steps, minimum=0)
-        if self.decay_style not in DECAY_STYLES:
-            raise ConfigError(f"{k}.decay_style", self.decay_style, f"must be one of {DECAY_STYLES}")
         if self.decay_steps is not None:
             check_integer(f"{k}.decay_steps", self.decay_steps, minimum=1)
             if self.decay_steps <= self.warmup_steps:
@@ -82,28 +78,23 @@ class ActorSettings:
 
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     precision: PrecisionRecipe = field(default_factory=PrecisionRecipe)
-    fp8_backend: str = "native"
-    fp8_gemm: str = "auto"
+    fp8_backend: Literal["native", "te"] = "native"
+    fp8_gemm: Literal["auto", "scaled_mm", "emulate"] = "auto"
     max_tokens_per_microbatch: int = 8192
     max_seq_len: Optional[int] = None
-    recompute: str = "none"
+    recompute: Literal["none", "full"] = "none"
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     seed: int = 1234
 
     def __post_init__(self) -> None:
+        check_fields(self, "actor", ("fp8_backend", "fp8_gemm", "recompute"))
         if not isinstance(self.parallel, ParallelLayout):
             raise ConfigError("actor.parallel", self.parallel, "must be a ParallelLayout")
         if not isinstance(self.precision, PrecisionRecipe):
             raise ConfigError("actor.precision", self.precision, "must be a PrecisionRecipe")
-        if self.fp8_backend not in FP8_BACKENDS:
-            raise ConfigError("actor.fp8_backend", self.fp8_backend, f"must be one of {FP8_BACKENDS}")
-        if self.fp8_gemm not in GEMM_BACKENDS:
-            raise ConfigError("actor.fp8_gemm", self.fp8_gemm, f"must be one of {GEMM_BACKENDS}")
         check_integer("actor.max_tokens_per_microbatch", self.max_tokens_per_microbatch, minimum=1)
         if self.max_seq_len is not None:
             check_integer("actor.max_seq_len", self.max_seq_len, minimum=1)
-        if self.recompute not in RECOMPUTE:
-            raise ConfigError("actor.recompute", self.recompute, f"must be one of {RECOMPUTE}")
         if not isinstance(self.optimizer, OptimizerSettings):
             raise ConfigError("actor.optimizer", self.optimizer, "must be an OptimizerSettings")
         check_integer("actor.seed", self.seed)

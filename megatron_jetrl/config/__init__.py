@@ -6,7 +6,7 @@ dataclasses from YAML and ``key=value`` overrides.
 """
 
 from megatron_jetrl.config.errors import ConfigError, check_integer, check_number
-from megatron_jetrl.config.loader import apply_overrides, build, load_yaml, parse_override, to_plain
+from megatron_jetrl.config.loader import apply_overrides, build, check_fields, load_yaml, parse_override, to_plain
 
-__all__ = ["ConfigError", "check_integer", "check_number", "apply_overrides", "build", "load_yaml", "parse_override",
-           "to_plain"]
+__all__ = ["ConfigError", "check_integer", "check_number", "apply_overrides", "build", "check_fields", "load_yaml",
+           "parse_override", "to_plain"]

@@ -114,6 +114,17 @@ def build(cls: type, raw: Any, key: str, *, fixed: Mapping[str, Any] | None = No
         raise ConfigError(key, dict(raw), str(e)) from None
 
 
+def check_fields(obj: Any, key: str, names: tuple[str, ...] | None = None) -> None:
+    """Check the fields ``names`` (default: all) of dataclass instance ``obj`` against their
+    annotations, exactly as ``build`` checks a config's values (``Literal`` choices, ``bool``,
+    ``Optional`` ...): the one type check, for sections built by the loader and in code alike.
+    Call it first in ``__post_init__``; cross-field rules follow it there."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if f.init and (names is None or f.name in names):
+            _value(hints[f.name], getattr(obj, f.name), _join(key, f.name))
+
+
 def to_plain(obj: Any) -> Any:
     """Dataclasses, enums and tuples as YAML-safe dicts, strings and lists (for the run directory)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -9,16 +9,13 @@ given. Every other section validates itself at construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
-from megatron_jetrl.config import ConfigError, check_integer, check_number
+from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
 OVERLONG_MODES = ("none", "filter", "soft")
 MATH_REWARD = "math"
-
-
-MATH_CHECKERS = ("math_verify", "builtin")
 
 
 def _text(key: str, value) -> None:
@@ -191,13 +188,12 @@ class RewardSettings:
     type: str = MATH_REWARD
     time_limit_s: float = 5.0
     format_score: float = 0.0
-    math_checker: str = "math_verify"
+    math_checker: Literal["math_verify", "builtin"] = "math_verify"
 
     def __post_init__(self) -> None:
+        check_fields(self, "reward", ("math_checker",))
         allowed = [MATH_REWARD, *_synthetic_tasks()]
         if self.type not in allowed:
             raise ConfigError("reward.type", self.type, f"must be one of {allowed}")
-        if self.math_checker not in MATH_CHECKERS:
-            raise ConfigError("reward.math_checker", self.math_checker, f"must be one of {list(MATH_CHECKERS)}")
         check_number("reward.time_limit_s", self.time_limit_s, low=0.0, low_open=True)
         check_number("reward.format_score", self.format_score)

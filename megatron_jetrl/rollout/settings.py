@@ -7,13 +7,14 @@ The number of samples per prompt is ``algo.group_size`` and the sampling seed de
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from megatron_jetrl.config import ConfigError, check_integer
-from megatron_jetrl.precision import GEMM_BACKENDS
+from megatron_jetrl.config import ConfigError, check_fields, check_integer
 from megatron_jetrl.rollout.base import SamplingParams
 from megatron_jetrl.rollout.vllm_engine import VllmOptions
 
 ENGINES = ("hf", "vllm")
+"""The ``rollout.engine`` choices (``RolloutSettings.engine``'s ``Literal``; a test keeps them equal)."""
 
 
 @dataclass(frozen=True)
@@ -27,18 +28,13 @@ class HfOptions:
     max_batch_tokens: int = 131072
     max_prefill_tokens: int = 16384
     cuda_graphs: bool = True
-    gemm: str = "auto"
+    gemm: Literal["auto", "scaled_mm", "emulate"] = "auto"
     sleep_keeps_weights: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(self, "rollout.hf")
         for name in ("max_num_seqs", "max_batch_tokens", "max_prefill_tokens"):
-            v = getattr(self, name)
-            check_integer(f"rollout.hf.{name}", v, minimum=1)
-        if self.gemm not in GEMM_BACKENDS:
-            raise ConfigError("rollout.hf.gemm", self.gemm, f"must be one of {GEMM_BACKENDS}")
-        for name in ("cuda_graphs", "sleep_keeps_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"rollout.hf.{name}", getattr(self, name), "must be true or false")
+            check_integer(f"rollout.hf.{name}", getattr(self, name), minimum=1)
 
 
 @dataclass(frozen=True)
@@ -48,15 +44,14 @@ class RolloutSettings:
     optimizer state wait in host memory, and the engine sleeps while the actor trains (colocation;
     turn off only when both fit on the GPU at once)."""
 
-    engine: str = "hf"
+    engine: Literal["hf", "vllm"] = "hf"
     sampling: SamplingParams = field(default_factory=SamplingParams)
     hf: HfOptions = field(default_factory=HfOptions)
     vllm: VllmOptions = field(default_factory=VllmOptions)
     offload_actor: bool = True
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError("rollout.engine", self.engine, f"must be one of {list(ENGINES)}")
+        check_fields(self, "rollout", ("engine", "offload_actor"))
         if self.engine == "hf" and self.vllm.kv_cache_dtype != "auto":
             raise ConfigError("rollout.vllm.kv_cache_dtype", self.vllm.kv_cache_dtype,
                               "an FP8 KV cache needs rollout.engine=vllm (the hf engine keeps it in the model dtype)")
@@ -69,3 +64,4 @@ class RolloutSettings:
     @property
     def fp8_kv_cache(self) -> bool:
         return self.engine == "vllm" and self.vllm.kv_cache_dtype == "fp8"
+

@@ -49,11 +49,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_jetrl.config import ConfigError, check_integer
+from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.base import Sample, SamplingParams, TensorMeta, WeightMismatch, check_against_specs
@@ -62,9 +62,6 @@ from megatron_jetrl.rollout.vllm_model import KV_SCALES, DirectTargets, Layerwis
 if TYPE_CHECKING:
     import vllm
 
-KV_CACHE_DTYPES = ("auto", "fp8")
-WEIGHT_UPDATES = ("in_place", "reload")
-FP8_GEMMS = ("cutlass", "deep_gemm")
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 """vLLM ``CompletionOutput.finish_reason`` -> ``Sample.finish_reason``; anything else is an error."""
@@ -138,7 +135,7 @@ class VllmOptions:
     """Longest prompt + response; default: the job's ``data.train.max_prompt_tokens`` +
     ``rollout.sampling.max_new_tokens``."""
     max_num_seqs: int = 256
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """``fp8`` stores the KV cache in E4M3 with per-layer scales the trainer measures each step."""
     enforce_eager: bool = False
     """No CUDA graphs / torch.compile: faster start, slower decode (tests, debugging)."""
@@ -147,35 +144,26 @@ class VllmOptions:
     ``max_num_seqs``); fewer graphs start faster."""
     enable_prefix_caching: bool = True
     seed: int = 0
-    sleep_level: int = 2
-    weight_update: str = "in_place"
+    sleep_level: Literal[1, 2] = 2
+    """1: weights kept in host memory while asleep; 2: weights discarded (every update after a sleep
+    must then send all of them; the weight sync does)."""
+    weight_update: Literal["in_place", "reload"] = "in_place"
     """``in_place``: the sync writes into vLLM's parameters; ``reload``: vLLM's own loaders."""
-    fp8_gemm: str = "cutlass"
+    fp8_gemm: Literal["cutlass", "deep_gemm"] = "cutlass"
     """vLLM's block-FP8 GEMM on Hopper: ``cutlass`` or ``deep_gemm`` (JIT-compiled at start-up,
     minutes for a large model)."""
 
     def __post_init__(self) -> None:
         k = "rollout.vllm"
+        check_fields(self, k)
         for name in ("tensor_parallel_size", "max_num_seqs"):
             check_integer(f"{k}.{name}", getattr(self, name), minimum=1)
         for name in ("max_model_len", "cuda_graph_max_batch"):
             if getattr(self, name) is not None:
                 check_integer(f"{k}.{name}", getattr(self, name), minimum=1)
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u < 1:
-            raise ConfigError(f"{k}.gpu_memory_utilization", u, "must be a fraction in (0, 1)")
-        for name, allowed in (("kv_cache_dtype", KV_CACHE_DTYPES), ("weight_update", WEIGHT_UPDATES),
-                              ("fp8_gemm", FP8_GEMMS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{k}.{name}", getattr(self, name), f"must be one of {list(allowed)}")
-        for name in ("enforce_eager", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{k}.{name}", getattr(self, name), "must be true or false")
+        check_number(f"{k}.gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0, low_open=True,
+                     high_open=True)
         check_integer(f"{k}.seed", self.seed)
-        if self.sleep_level not in (1, 2):
-            raise ConfigError(f"{k}.sleep_level", self.sleep_level,
-                              "must be 1 (weights kept in host memory) or 2 (weights discarded; every update "
-                              "must then send all weights)")
 
 
 def engine_env(recipe: PrecisionRecipe, options: VllmOptions, num_layers: int) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
 import pytest
 import yaml
 
@@ -161,3 +162,29 @@ def test_check_command_reports_config_errors(capsys):
 def test_train_refuses_bad_config_before_any_gpu_work(capsys):
     assert cli_main(["train", str(TINY), "data.prompts_per_step=0"]) == 2
     assert "data.prompts_per_step" in capsys.readouterr().err
+
+
+def test_choice_fields_are_checked_by_their_annotation_in_code_and_in_the_loader():
+    """One type check for a section built by the loader or in code (config.check_fields): a
+    Literal field refuses a value outside it, naming the key, either way; the Literal lists the
+    same choices as the constants other code reads."""
+    import typing
+
+    from megatron_jetrl.actor import ActorSettings
+    from megatron_jetrl.config import build
+    from megatron_jetrl.precision import GEMM_BACKENDS
+    from megatron_jetrl.rollout import ENGINES, HfOptions, RolloutSettings
+    from megatron_jetrl.rollout.vllm_engine import VllmOptions
+
+    for make, key in ((lambda: VllmOptions(kv_cache_dtype="fp4"), "rollout.vllm.kv_cache_dtype"),
+                      (lambda: VllmOptions(sleep_level=3), "rollout.vllm.sleep_level"),
+                      (lambda: HfOptions(cuda_graphs="yes"), "rollout.hf.cuda_graphs"),
+                      (lambda: RolloutSettings(engine="sglang"), "rollout.engine"),
+                      (lambda: ActorSettings(recompute="selective"), "actor.recompute"),
+                      (lambda: build(RolloutSettings, {"vllm": {"weight_update": "nccl"}}, "rollout"),
+                       "rollout.vllm.weight_update")):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: got .*must be"):
+            make()
+    assert typing.get_args(typing.get_type_hints(RolloutSettings)["engine"]) == ENGINES
+    assert typing.get_args(typing.get_type_hints(HfOptions)["gemm"]) == GEMM_BACKENDS
+    assert typing.get_args(typing.get_type_hints(ActorSettings)["fp8_gemm"]) == GEMM_BACKENDS
