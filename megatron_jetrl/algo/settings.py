@@ -14,15 +14,11 @@ work. Defaults, and the papers they come from:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from megatron_jetrl.algo.advantages import ADVANTAGES
-from megatron_jetrl.config import ConfigError, check_integer, check_number
+from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
 
-LOSS_TYPES = ("ppo", "gspo", "cispo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_TYPES = ("k1", "k3")
-CORRECTION_MODES = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop")
 
 
 def _choice(key: str, value, allowed: tuple[str, ...]) -> None:
@@ -42,7 +38,7 @@ class PolicyLossSettings:
     batch field ``ref_logprobs``); ``entropy_coef`` > 0 subtracts an entropy bonus.
     """
 
-    type: str = "ppo"
+    type: Literal["ppo", "gspo", "cispo"] = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: Optional[float] = None
@@ -50,14 +46,14 @@ class PolicyLossSettings:
     gspo_clip_high: float = 4e-4
     cispo_clip_low: float = 1.0
     cispo_clip_high: float = 4.0
-    aggregation: str = "token-mean"
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     kl_coef: float = 0.0
-    kl_type: str = "k3"
+    kl_type: Literal["k1", "k3"] = "k3"
     entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         k = "algo.loss"
-        _choice(f"{k}.type", self.type, LOSS_TYPES)
+        check_fields(self, k, ("type", "aggregation", "kl_type"))
         check_number(f"{k}.clip_low", self.clip_low, low=0.0, high=1.0, low_open=True, high_open=True)
         check_number(f"{k}.clip_high", self.clip_high, low=0.0, low_open=True)
         if self.dual_clip is not None:
@@ -69,9 +65,7 @@ class PolicyLossSettings:
         check_number(f"{k}.gspo_clip_high", self.gspo_clip_high, low=0.0, low_open=True)
         check_number(f"{k}.cispo_clip_low", self.cispo_clip_low, low=0.0, high=1.0)
         check_number(f"{k}.cispo_clip_high", self.cispo_clip_high, low=0.0, low_open=True)
-        _choice(f"{k}.aggregation", self.aggregation, AGGREGATIONS)
         check_number(f"{k}.kl_coef", self.kl_coef, low=0.0)
-        _choice(f"{k}.kl_type", self.kl_type, KL_TYPES)
         check_number(f"{k}.entropy_coef", self.entropy_coef, low=0.0)
 
 
@@ -86,7 +80,7 @@ class CorrectionSettings:
     PPO ratio π/π_rollout then carries the correction itself, so ``mode`` must be ``none``.
     """
 
-    mode: str = "none"
+    mode: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop"] = "none"
     clip: float = 2.0
     low: float = 0.5
     high: float = 2.0
@@ -94,12 +88,10 @@ class CorrectionSettings:
 
     def __post_init__(self) -> None:
         k = "algo.correction"
-        _choice(f"{k}.mode", self.mode, CORRECTION_MODES)
+        check_fields(self, k, ("mode", "bypass"))
         check_number(f"{k}.clip", self.clip, low=1.0)
         check_number(f"{k}.low", self.low, low=0.0, high=1.0, high_open=True)
         check_number(f"{k}.high", self.high, low=1.0, low_open=True)
-        if not isinstance(self.bypass, bool):
-            raise ConfigError(f"{k}.bypass", self.bypass, "must be true or false")
         if self.bypass and self.mode != "none":
             raise ConfigError(f"{k}.bypass", self.bypass,
                               f"bypass makes π_old = π_rollout, so mode {self.mode!r} has nothing to correct; "

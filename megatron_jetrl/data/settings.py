@@ -14,7 +14,7 @@ from typing import Literal, Optional
 from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
-OVERLONG_MODES = ("none", "filter", "soft")
+"""``chat_template``'s choices, for the tokenizer's check (a test keeps them equal to its Literal)."""
 MATH_REWARD = "math"
 
 
@@ -68,7 +68,7 @@ class DatasetSettings:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     system_prompt: Optional[str] = None
-    chat_template: str = "auto"
+    chat_template: Literal["auto", "on", "off"] = "auto"
     max_prompt_tokens: int = 1024
 
     def validate(self, key: str) -> None:
@@ -92,8 +92,7 @@ class DatasetSettings:
         _text(f"{key}.answer_key", self.answer_key)
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ConfigError(f"{key}.system_prompt", self.system_prompt, "must be a string or unset")
-        if self.chat_template not in CHAT_TEMPLATE_MODES:
-            raise ConfigError(f"{key}.chat_template", self.chat_template, f"must be one of {CHAT_TEMPLATE_MODES}")
+        check_fields(self, key, ("chat_template",))
         check_integer(f"{key}.max_prompt_tokens", self.max_prompt_tokens, minimum=1)
 
 
@@ -106,8 +105,7 @@ class DynamicSamplingSettings:
     max_rounds: int = 4
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError("data.dynamic_sampling.enabled", self.enabled, "must be true or false")
+        check_fields(self, "data.dynamic_sampling", ("enabled",))
         check_integer("data.dynamic_sampling.max_rounds", self.max_rounds, minimum=1)
 
 
@@ -119,13 +117,12 @@ class OverlongSettings:
     ``filters.overlong_penalty``). ``buffer_tokens`` must not exceed the rollout's
     ``max_new_tokens``; the trainer checks that, since it sees both sections."""
 
-    mode: str = "none"
+    mode: Literal["none", "filter", "soft"] = "none"
     buffer_tokens: int = 256
     penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.mode not in OVERLONG_MODES:
-            raise ConfigError("data.overlong.mode", self.mode, f"must be one of {OVERLONG_MODES}")
+        check_fields(self, "data.overlong", ("mode",))
         check_integer("data.overlong.buffer_tokens", self.buffer_tokens, minimum=1)
         check_number("data.overlong.penalty", self.penalty)
         if self.penalty < 0:
@@ -161,8 +158,7 @@ class DataSettings:
                 raise ConfigError("data.eval", self.eval, "must be a DatasetSettings or unset")
             self.eval.validate("data.eval")
         check_integer("data.prompts_per_step", self.prompts_per_step, minimum=1)
-        if not isinstance(self.shuffle, bool):
-            raise ConfigError("data.shuffle", self.shuffle, "must be true or false")
+        check_fields(self, "data", ("shuffle",))
         check_integer("data.seed", self.seed)
         if not isinstance(self.dynamic_sampling, DynamicSamplingSettings):
             raise ConfigError("data.dynamic_sampling", self.dynamic_sampling, "must be a DynamicSamplingSettings")

@@ -188,3 +188,11 @@ def test_choice_fields_are_checked_by_their_annotation_in_code_and_in_the_loader
     assert typing.get_args(typing.get_type_hints(RolloutSettings)["engine"]) == ENGINES
     assert typing.get_args(typing.get_type_hints(HfOptions)["gemm"]) == GEMM_BACKENDS
     assert typing.get_args(typing.get_type_hints(ActorSettings)["fp8_gemm"]) == GEMM_BACKENDS
+    from megatron_jetrl.algo.settings import CorrectionSettings
+    from megatron_jetrl.data.settings import CHAT_TEMPLATE_MODES, DatasetSettings, OverlongSettings
+
+    assert typing.get_args(typing.get_type_hints(DatasetSettings)["chat_template"]) == CHAT_TEMPLATE_MODES
+    for make, key in ((lambda: CorrectionSettings(mode="tis"), "algo.correction.mode"),
+                      (lambda: OverlongSettings(mode="hard"), "data.overlong.mode")):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: got .*must be"):
+            make()
