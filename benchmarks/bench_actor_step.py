@@ -1,7 +1,14 @@
-"""Actor training-step time, FP8 (native backend) vs BF16, for a model with Qwen3-8B layer shapes.
+"""Actor training-step time, FP8 (native backend) vs BF16, for a model with Qwen3 shapes.
 
     torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py --layers 12
+    torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py --model qwen3-4b --profile   # all 36 layers
     torchrun --nproc-per-node 2 benchmarks/bench_actor_step.py --layers 12 --tp 2
+
+``--model`` qwen3-8b (default; ``--layers`` of its 36) or qwen3-4b (36 layers, hidden 2560, tied
+embeddings, real vocab). The table states the LM head's share of the linear FLOPs (BF16 in every
+mode: a shallow model gives it far more than a real one). ``--profile`` adds a kernel-time split of
+one step per mode (GEMMs / FP8 quantization / attention / elementwise / other); ``--headline PATH``
+writes actor_step_fp8_over_bf16 and logprob_fp8_over_bf16 (benchmarks/headline.py).
 
 Random weights (megatron's init), no checkpoint. One step = ``Actor.update``: forward + backward
 over packed micro-batches, DistributedOptimizer step (fp32 Adam, clipping), FP8 re-quantization.
@@ -28,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
 from megatron_jetrl.algo import ppo_clip_loss  # noqa: E402
 from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
-from benchmarks.model_shapes import qwen3_8b_shaped  # noqa: E402
+from benchmarks.model_shapes import lm_head_flop_share, qwen3_shaped  # noqa: E402
 from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
 
 
@@ -73,6 +80,7 @@ def run_mode(mode: str, args, bridge) -> dict:
     step_s = timed(lambda: actor.update(batch, ppo_clip_loss), args.steps)
     logprob_s = timed(lambda: actor.compute_logprobs(batch), args.steps)
     peak = torch.cuda.max_memory_allocated()
+    profile = kernel_split(lambda: actor.update(batch, ppo_clip_loss)) if args.profile else None
     actor.close()
     gc.collect()
     torch.cuda.empty_cache()
@@ -81,12 +89,43 @@ def run_mode(mode: str, args, bridge) -> dict:
     world = dist.get_world_size()
     return {"mode": mode, "step_s": step_s, "logprob_s": logprob_s, "tokens": tokens,
             "step_tok_s_gpu": tokens / step_s / world, "logprob_tok_s_gpu": tokens / logprob_s / world,
-            "peak_gib": peak / 2**30}
+            "peak_gib": peak / 2**30, "profile_ms": profile}
+
+
+KERNEL_CLASSES = (  # first match wins: FA3 kernels are CUTLASS kernels, FP8 GEMMs name e4m3
+    ("attention", r"flash|fmha|attn|attention|softmax"),
+    ("gemm", r"gemm|cutlass|nvjet|xmma|sm90_|scaled_mm|splitk|cublas|matmul"),
+    ("fp8 quantization", r"quant|fp8|cast_to|e4m3|amax|scale"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|norm|silu|rotary|rope|add|mul|copy|cat|fill"),
+)
+
+
+def kernel_split(step) -> dict[str, float]:
+    """GPU kernel time (ms) of one ``step()`` by class: GEMMs, FP8 quantization, attention,
+    elementwise, other."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if us <= 0 or e.key.startswith(("cudaGraph", "Memcpy", "Memset")):
+            continue
+        cls = next((c for c, pat in KERNEL_CLASSES if re.search(pat, e.key, re.I)), "other")
+        out[cls] = out.get(cls, 0.0) + us / 1e3
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--model", default="qwen3-8b", choices=["qwen3-8b", "qwen3-4b"])
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 12 of Qwen3-8B; all of 4B)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)
@@ -95,26 +134,45 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", default="bf16,fp8")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--headline", type=Path)
     args = ap.parse_args()
+    if args.layers is None:
+        args.layers = 12 if args.model == "qwen3-8b" else 36
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
-    bridge = bridge_for(qwen3_8b_shaped(args.layers))
+    config = qwen3_shaped(args.model, args.layers)
+    bridge = bridge_for(config)
     rows = [run_mode(m, args, bridge) for m in args.modes.split(",")]
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name()
-        print(f"\nactor step, Qwen3-8B layer shapes x {args.layers} layers (+ 151936 vocab), TP={args.tp}, "
+        print(f"\nactor step, {args.model} shapes x {args.layers} layers (+ 151936 vocab; LM head "
+              f"{100 * lm_head_flop_share(config):.1f}% of the linear FLOPs), TP={args.tp}, "
               f"{dist.get_world_size()} x {name}, {args.seqs} x {args.seq_len} tokens/step, "
               f"micro-batch {args.mb_tokens} tokens")
         print(f"{'mode':6} {'step s':>8} {'tok/s/GPU':>10} {'logprob s':>10} {'tok/s/GPU':>10} {'peak GiB':>9}")
         for r in rows:
             print(f"{r['mode']:6} {r['step_s']:8.3f} {r['step_tok_s_gpu']:10.0f} {r['logprob_s']:10.3f} "
                   f"{r['logprob_tok_s_gpu']:10.0f} {r['peak_gib']:9.1f}")
+        for r in rows:
+            if r["profile_ms"]:
+                total = sum(r["profile_ms"].values())
+                split = ", ".join(f"{c} {ms:.0f} ms ({100 * ms / total:.0f}%)"
+                                  for c, ms in sorted(r["profile_ms"].items(), key=lambda kv: -kv[1]))
+                print(f"kernel time of one step, {r['mode']}: {total:.0f} ms = {split}")
         by = {r["mode"]: r for r in rows}
         if "bf16" in by and "fp8" in by:
-            print(f"FP8 / BF16 speed-up: step {by['bf16']['step_s'] / by['fp8']['step_s']:.2f}x, "
-                  f"logprob pass {by['bf16']['logprob_s'] / by['fp8']['logprob_s']:.2f}x")
+            step_x, lp_x = by["bf16"]["step_s"] / by["fp8"]["step_s"], by["bf16"]["logprob_s"] / by["fp8"]["logprob_s"]
+            print(f"FP8 / BF16 speed-up: step {step_x:.2f}x, logprob pass {lp_x:.2f}x")
+            if args.headline:
+                from benchmarks.headline import update
+
+                update(args.headline, {"actor_step_fp8_over_bf16": step_x, "logprob_fp8_over_bf16": lp_x},
+                       device=name, command="torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py "
+                       f"--model {args.model} --layers {args.layers}")
         if args.json:
-            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "device": name,
+            plain = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+            args.json.write_text(json.dumps({"args": plain, "device": name,
                                              "rows": rows}, indent=1))
     dist.destroy_process_group()
     return 0

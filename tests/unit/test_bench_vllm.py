@@ -89,3 +89,20 @@ def test_the_step_runs_are_valid_jobs():
                         "rollout.vllm.fp8_gemm=cutlass", "run.steps=4", "log.console=false"])
         resolve(job, 1)
         assert job.rollout.engine == "vllm" and job.rollout.vllm.max_model_len is None
+
+
+def test_model_shapes_and_the_lm_head_share():
+    """The step benchmark's models build and the LM head's FLOP share is what the shapes give:
+    per layer 4096 x (4096 + 2 x 1024) + 4096 x 4096 + 3 x 12288 x 4096 MACs for Qwen3-8B."""
+    from benchmarks.model_shapes import lm_head_flop_share, qwen3_shaped
+    from megatron_jetrl.models import bridge_for
+
+    eight, four = qwen3_shaped("qwen3-8b"), qwen3_shaped("qwen3-4b")
+    assert bridge_for(eight).dims.num_layers == bridge_for(four).dims.num_layers == 36
+    assert bridge_for(four).dims.tied_embeddings and bridge_for(four).dims.hidden_size == 2560
+    layer = 4096 * 6144 + 4096 * 4096 + 3 * 12288 * 4096
+    assert lm_head_flop_share(eight) == pytest.approx(151936 * 4096 / (36 * layer + 151936 * 4096))
+    assert 0.08 < lm_head_flop_share(eight) < 0.10  # a real 8B: under a tenth
+    assert lm_head_flop_share(qwen3_shaped("qwen3-8b", 6)) > 0.33  # 6 layers: over a third
+    with pytest.raises(ValueError, match="qwen3-4b"):
+        qwen3_shaped("qwen3-32b")
