@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -39,24 +39,36 @@ def model_weight_specs(model: torch.nn.Module) -> dict[str, TensorMeta]:
     Raises ``RuntimeError`` when a parameter is held in a layout the checkpoint format does not
     describe (a kernel that transposes, pads or repacks: then the shipped bytes would not be the
     bytes computed with)."""
+    specs = {name: TensorMeta(shape, view.dtype) for name, shape, view, _ in _checkpoint_tensors(model)}
+    for attn_name in fp8_kv_attention(model):
+        specs.update({f"{attn_name}.{s}": TensorMeta((), torch.float32) for s in KV_SCALES})
+    return specs
+
+
+def _checkpoint_tensors(model: torch.nn.Module
+                        ) -> Iterator[tuple[str, tuple[int, ...], torch.Tensor, tuple[int, int] | None]]:
+    """(HF name, full checkpoint shape on this rank, view of the live parameter holding it, rows)
+    of every checkpoint weight of ``model``; ``rows`` is the (start, stop) range of a full
+    vocabulary tensor this rank holds, None where the view takes the whole tensor."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    specs: dict[str, TensorMeta] = {}
     for name, param in model.named_parameters():
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
+        data = param.data
         if isinstance(module, LinearBase):
-            specs.update({n: TensorMeta(s, param.dtype)
-                          for n, (s, _) in _linear_parts(module_name, module, attr, param, packed).items()})
+            for hf_name, (shape, first) in _linear_parts(module_name, module, attr, param, packed).items():
+                yield hf_name, shape, data.narrow(0, first, shape[0]), None
         elif isinstance(module, VocabParallelEmbedding):
-            specs[name] = TensorMeta((module.org_vocab_size, module.embedding_dim), param.dtype)
+            shard = module.shard_indices
+            start, stop = shard.org_vocab_start_index, shard.org_vocab_end_index
+            whole = (start, stop) == (0, module.org_vocab_size)
+            yield (name, (module.org_vocab_size, module.embedding_dim), data.narrow(0, 0, stop - start),
+                   None if whole else (start, stop))
         else:
-            specs[name] = TensorMeta(tuple(param.shape), param.dtype)
-    for attn_name in fp8_kv_attention(model):
-        specs.update({f"{attn_name}.{s}": TensorMeta((), torch.float32) for s in KV_SCALES})
-    return specs
+            yield name, tuple(param.shape), data, None
 
 
 def fp8_kv_attention(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -123,26 +135,7 @@ class DirectTargets:
     then be written again before the next forward."""
 
     def __init__(self, model: torch.nn.Module):
-        from vllm.model_executor.layers.linear import LinearBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-        self.targets: dict[str, Target] = {}
-        for name, param in model.named_parameters():
-            module_name, _, attr = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            data = param.data
-            if isinstance(module, LinearBase):
-                for hf_name, (shape, first) in _linear_parts(module_name, module, attr, param, packed).items():
-                    self.targets[hf_name] = Target(data.narrow(0, first, shape[0]))
-            elif isinstance(module, VocabParallelEmbedding):
-                rows = module.shard_indices
-                start, stop = rows.org_vocab_start_index, rows.org_vocab_end_index
-                view = data.narrow(0, 0, stop - start)
-                full = (start, stop) != (0, module.org_vocab_size)
-                self.targets[name] = Target(view, (start, stop) if full else None)
-            else:
-                self.targets[name] = Target(data)
+        self.targets = {name: Target(view, rows) for name, _, view, rows in _checkpoint_tensors(model)}
         self.attention = fp8_kv_attention(model)
 
     def buffers(self) -> dict[str, torch.Tensor]:
