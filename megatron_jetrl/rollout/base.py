@@ -122,6 +122,31 @@ class RolloutEngine(Protocol):
         ...
 
 
+class MissingWeights:
+    """Which weight tensors an engine has not received since its weights were created or dropped
+    (a sleep that discards them): ``dropped`` marks all of ``required`` missing again, ``arrived``
+    crosses names off, ``check`` refuses a ``generate`` while any is missing, naming some."""
+
+    def __init__(self, engine: str, required: Iterable[str]):
+        self.engine, self.required = engine, frozenset(required)
+        self.names: set[str] = set(self.required)
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def dropped(self) -> None:
+        self.names = set(self.required)
+
+    def arrived(self, names: Iterable[str]) -> None:
+        self.names.difference_update(names)
+
+    def check(self) -> None:
+        if self.names:
+            raise RuntimeError(f"{self.engine} engine: {len(self.names)} weight tensors were never loaded since the "
+                               f"weights were created or dropped by a sleep (e.g. {sorted(self.names)[:3]}); "
+                               "update_weights with all of weight_specs() (a weight sync) first")
+
+
 def check_against_specs(specs: dict[str, TensorMeta], tensors: dict[str, TensorMeta], *, what: str) -> None:
     """Raise ``WeightMismatch`` naming the first tensor whose name, shape or dtype ``specs`` does not
     have, with both shapes."""

@@ -58,6 +58,7 @@ from megatron_jetrl.precision import (
     resolve_gemm_backend,
 )
 from megatron_jetrl.rollout.base import (
+    MissingWeights,
     Sample,
     SamplingParams,
     TensorMeta,
@@ -289,8 +290,7 @@ class HfEngine:
         self._shapes = [tuple(t.shape) for t in self._storages]
         self._host: list[torch.Tensor] = []
         self._weights_on_device = True
-        self._missing: set[str] = set(self._specs)
-        """Tensors not loaded since the weights were created or dropped by a sleep."""
+        self._missing = MissingWeights("hf", self._specs)
         self._awake = True
         self._closed = False
 
@@ -328,7 +328,7 @@ class HfEngine:
         if not self._weights_on_device:
             self._restore_weights()
         buffers = self.named_weights()
-        self._missing.difference_update(buffers)  # the caller writes all of them
+        self._missing.arrived(buffers)  # the caller writes all of them
         return buffers
 
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -348,7 +348,7 @@ class HfEngine:
         with torch.no_grad():
             for name, t in batch:
                 self._slots[name].view().copy_(t)
-        self._missing.difference_update(metas)
+        self._missing.arrived(metas)
 
     def load_checkpoint(self, checkpoint: HFCheckpoint | str | Path, *, bucket_bytes: int = 1 << 30) -> None:
         """Load every engine tensor from an HF checkpoint (see ``from_checkpoint``); every name is
@@ -412,7 +412,7 @@ class HfEngine:
             for t in self._storages:
                 t.data = torch.empty(0, dtype=t.dtype, device=self.device)
             self._weights_on_device = False
-            self._missing = set(self._specs)
+            self._missing.dropped()
         if self._weights_on_device:
             pin = self.device.type == "cuda"
             if not self._host:
@@ -468,10 +468,7 @@ class HfEngine:
         prompts = self._check_prompts(prompt_token_ids, sampling)
         if not self._awake:
             raise RuntimeError("the hf engine is asleep; call wake() before generate()")
-        if self._missing:
-            raise RuntimeError(f"hf engine: {len(self._missing)} weight tensors were never loaded since the weights "
-                               f"were created or dropped by a sleep (e.g. {sorted(self._missing)[:3]}); "
-                               "update_weights with all of weight_specs() (a weight sync) first")
+        self._missing.check()
         n, T = sampling.n, sampling.max_new_tokens
         rows = [i for i in range(len(prompts)) for _ in range(n)]
         order = sorted(range(len(rows)), key=lambda r: -len(prompts[rows[r]]))

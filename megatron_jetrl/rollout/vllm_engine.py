@@ -56,7 +56,8 @@ import torch
 from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
-from megatron_jetrl.rollout.base import Sample, SamplingParams, TensorMeta, WeightMismatch, check_against_specs
+from megatron_jetrl.rollout.base import (MissingWeights, Sample, SamplingParams, TensorMeta, WeightMismatch,
+                                         check_against_specs)
 from megatron_jetrl.rollout.vllm_model import KV_SCALES, DirectTargets, LayerwiseUpdate, model_weight_specs
 
 if TYPE_CHECKING:
@@ -302,9 +303,10 @@ class VllmEngine:
         except BaseException:
             self.close()
             raise
-        self._needed = self._required_names()
+        self._needed = MissingWeights("vllm", (n for n in self._specs if n.rpartition(".")[2] not in KV_SCALES))
         """Tensors that must arrive before the next generate: all of them while the weights are dummy
-        or discarded (level-2 sleep), else none."""
+        or discarded (level-2 sleep), else none. The KV-cache scales are not among them: vLLM keeps
+        them as buffers across a sleep (1.0 when never sent)."""
         self._update: Optional[LayerwiseUpdate] = None
         self._awake = {"weights": True, "kv_cache": True}
         self._weights_changed = False
@@ -314,10 +316,7 @@ class VllmEngine:
         self._finish_update()
         if not all(self._awake.values()):
             raise RuntimeError("vllm engine: generate needs an awake engine; call wake() first")
-        if self._needed:
-            raise RuntimeError(f"vllm engine: {len(self._needed)} weight tensors were never loaded since the weights "
-                               f"were last dummy or discarded (e.g. {sorted(self._needed)[:3]}); update_weights "
-                               "with all of weight_specs() first")
+        self._needed.check()
         if self._weights_changed and self.options.enable_prefix_caching:
             self._llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self._weights_changed = False
@@ -343,7 +342,7 @@ class VllmEngine:
             return {}
         self._wake_weights()
         buffers = self._direct.buffers()
-        self._needed.difference_update(buffers)
+        self._needed.arrived(buffers)
         self._weights_changed = True
         return buffers
 
@@ -368,7 +367,7 @@ class VllmEngine:
                     lambda worker: LayerwiseUpdate(worker.get_model(), worker.vllm_config, presharded=presharded))
             update = self._update
             self._on_worker(lambda worker: update.load(items))
-        self._needed.difference_update(given)
+        self._needed.arrived(given)
         self._weights_changed = True
 
     def sleep(self) -> None:
@@ -378,7 +377,7 @@ class VllmEngine:
         self._llm.sleep(level=self.options.sleep_level)
         self._awake = {"weights": False, "kv_cache": False}
         if self.options.sleep_level == 2:
-            self._needed = self._required_names()
+            self._needed.dropped()
 
     def wake(self) -> None:
         self._finish_update()
@@ -431,11 +430,6 @@ class VllmEngine:
             return
         update, self._update = self._update, None
         self._on_worker(lambda worker: update.finish())
-
-    def _required_names(self) -> set[str]:
-        """What a full update must contain: everything but the KV-cache scales, which vLLM keeps as
-        buffers across sleep (they default to 1.0 when never sent)."""
-        return {n for n in self._specs if n.rpartition(".")[2] not in KV_SCALES}
 
     def _vllm_sampling(self, s: SamplingParams, prompt: int) -> "vllm.SamplingParams":
         """One prompt's vLLM sampling: only ``stop_token_ids`` stop (not the model's EOS), the sampled
