@@ -255,8 +255,7 @@ class ModelBridge:
     def linear_names(self) -> tuple[str, ...]:
         """HF module names of a decoder layer's linears, relative to the layer
         (``self_attn.q_proj``, ...), in tensor-map order: from the layer map itself."""
-        prefix = "model.layers.0."
-        return tuple(n[len(prefix):-len(".weight")] for spec in self.layer_map(0) if spec.linear for n in spec.hf)
+        return tuple(n for spec in self.layer_map(0) if spec.linear for n in _layer_modules(spec))
 
     @property
     def fused_projections(self) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
@@ -267,9 +266,8 @@ class ModelBridge:
         out = []
         for spec in self.layer_map(0):
             if spec.linear and spec.fuse in fused:
-                names = [n[len("model.layers.0."):-len(".weight")] for n in spec.hf]
-                block = names[0].rpartition(".")[0]
-                out.append((block, fused[spec.fuse], tuple(n.rpartition(".")[2] for n in names)))
+                names = _layer_modules(spec)
+                out.append((names[0].rpartition(".")[0], fused[spec.fuse], tuple(n.rpartition(".")[2] for n in names)))
         return tuple(out)
 
     def hf_shapes(self, spec: TensorSpec) -> list[tuple[int, ...]]:
@@ -367,3 +365,9 @@ class ModelBridge:
         if spec.fuse == VOCAB:
             full = layout.pad_rows(full, self.padded_vocab_size(size))
         return layout.tp_chunk(full, spec.tp_dim, rank, size)
+
+
+def _layer_modules(spec: TensorSpec) -> list[str]:
+    """The HF modules of a layer-0 weight spec, relative to the layer: ``self_attn.q_proj``, ..."""
+    prefix = "model.layers.0."
+    return [n[len(prefix):].rpartition(".")[0] for n in spec.hf]
