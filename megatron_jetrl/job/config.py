@@ -63,6 +63,23 @@ class RunSettings:
         check_integer("run.eval_every", self.eval_every, minimum=0)
 
 
+def _config_json(value: str) -> Path:
+    """The config.json a ``model.*`` path names: the file itself, or ``config.json`` in the directory
+    (also one not downloaded yet)."""
+    path = Path(value)
+    return path if path.is_file() or path.suffix == ".json" else path / "config.json"
+
+
+def _read_config_json(key: str, value: str, missing: str) -> dict[str, Any]:
+    path = _config_json(value)
+    if not path.is_file():
+        raise ConfigError(key, value, missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(key, str(path), f"is not valid JSON: {e}") from None
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """The policy. ``hf_config``: an HF model directory (its ``config.json``) or a config file;
@@ -89,35 +106,17 @@ class ModelSettings:
 
     def hf_config_dict(self) -> dict[str, Any]:
         """The HF config: the file's entries, then ``config``'s."""
-        base: dict[str, Any] = {}
-        if self.hf_config is not None:
-            path = Path(self.hf_config)
-            path = path / "config.json" if path.is_dir() else path
-            if not path.is_file():
-                raise ConfigError("model.hf_config", self.hf_config, "no config.json there; pass an HF model directory")
-            try:
-                base = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError("model.hf_config", str(path), f"is not valid JSON: {e}") from None
+        base = {} if self.hf_config is None else _read_config_json(
+            "model.hf_config", self.hf_config, "no config.json there; pass an HF model directory")
         return {**base, **self.config}
 
     def config_path(self) -> Optional[Path]:
         """The config.json ``hf_config`` names (whether or not it exists); None when inline."""
-        if self.hf_config is None:
-            return None
-        path = Path(self.hf_config)
-        return path if path.suffix == ".json" else path / "config.json"
+        return None if self.hf_config is None else _config_json(self.hf_config)
 
     def plan_config_dict(self) -> dict[str, Any]:
         """``plan_config``'s entries, then ``config``'s (``jetrl check`` before the download)."""
-        path = Path(self.plan_config)
-        if not path.is_file():
-            raise ConfigError("model.plan_config", self.plan_config, "no such file")
-        try:
-            base = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError("model.plan_config", self.plan_config, f"is not valid JSON: {e}") from None
-        return {**base, **self.config}
+        return {**_read_config_json("model.plan_config", self.plan_config, "no such file"), **self.config}
 
     @property
     def tokenizer_spec(self) -> str:
