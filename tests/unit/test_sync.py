@@ -188,12 +188,17 @@ class _RecordingEngine:
         self.loaded += [name for name, _ in tensors]
 
 
-def test_engine_mismatch_is_named_before_anything_is_written():
+def _qwen3_tp1_sync():
+    """A Qwen3 model's sync at TP 1 -> rollout TP 1 (reference copies) and its one rank's shards."""
     bridge, full, _ = _model("Qwen3ForCausalLM")
     recipe = PrecisionRecipe()
     plan = SyncPlan(bridge, recipe, ParallelLayout(1, 1), 1, 1)
-    sync = WeightSync(plan, 0, copy=copy_segments_reference)
-    shards = shard_state(bridge, recipe, full, ParallelLayout(1, 1))[0]
+    return bridge, plan, WeightSync(plan, 0, copy=copy_segments_reference), \
+        shard_state(bridge, recipe, full, ParallelLayout(1, 1))[0]
+
+
+def test_engine_mismatch_is_named_before_anything_is_written():
+    bridge, plan, sync, shards = _qwen3_tp1_sync()
     specs = sync.engine_specs()
     name = "model.layers.1.mlp.up_proj.weight"
     wrong = dict(specs)
@@ -212,11 +217,7 @@ def test_engine_mismatch_is_named_before_anything_is_written():
 
 
 def test_kv_cache_scales_go_with_the_weights_under_vllms_names():
-    bridge, full, _ = _model("Qwen3ForCausalLM")
-    recipe = PrecisionRecipe()
-    plan = SyncPlan(bridge, recipe, ParallelLayout(1, 1), 1, 1)
-    sync = WeightSync(plan, 0, copy=copy_segments_reference)
-    shards = shard_state(bridge, recipe, full, ParallelLayout(1, 1))[0]
+    bridge, plan, sync, shards = _qwen3_tp1_sync()
     layers = bridge.dims.num_layers
     names = kv_scale_names(layers)
     got = {}
@@ -237,11 +238,8 @@ def test_kv_cache_scales_go_with_the_weights_under_vllms_names():
 
 
 def test_source_mismatch_is_named():
-    bridge, full, _ = _model("Qwen3ForCausalLM")
-    recipe = PrecisionRecipe()
-    plan = SyncPlan(bridge, recipe, ParallelLayout(1, 1), 1, 1)
-    sync = WeightSync(plan, 0, copy=copy_segments_reference)
-    shards = dict(shard_state(bridge, recipe, full, ParallelLayout(1, 1))[0])
+    _, _, sync, shards = _qwen3_tp1_sync()
+    shards = dict(shards)
     name = "decoder.layers.0.mlp.linear_fc2.weight"
     shards[name] = shards[name]._replace(fp8=None)
     with pytest.raises(ValueError, match=f"{name} has no FP8 weight"):
