@@ -86,8 +86,12 @@ class Trainer:
         self.step = 0
         self.actor = None
         self.colocation: Optional[Colocation] = None
-        self.engine: Optional[RolloutEngine] = None
         self.metrics: Optional[MetricsLogger] = None
+
+    @property
+    def engine(self) -> Optional[RolloutEngine]:
+        """The rollout engine (the colocation's, once started)."""
+        return None if self.colocation is None else self.colocation.engine
 
     # ------------------------------------------------------------------ the loop
 
@@ -280,7 +284,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, tensorboard=self.job.log.tensorboard, wandb=self.job.log.wandb,
                                      enabled=self.rank == 0, config=self.job.to_dict(), start_step=self.step)
         self.colocation = Colocation(self.actor, offload_actor=self.job.rollout.offload_actor, sync=self.sync_weights)
-        self.engine = self.colocation.start_engine(self._build_engine)
+        self.colocation.start_engine(self._build_engine)
         plan = SyncPlan(self.resolved.bridge, self.job.precision, self.job.actor.parallel,
                         self.resolved.rollout_tp, self.world)
         self.sync = WeightSync(plan, self.rank, device=self.device)
