@@ -103,23 +103,16 @@ KERNEL_CLASSES = (  # first match wins: FA3 kernels are CUTLASS kernels, FP8 GEM
 def kernel_split(step) -> dict[str, float]:
     """GPU kernel time (ms) of one ``step()`` by class: GEMMs, FP8 quantization, attention,
     elementwise, other."""
-    import re
-
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.profiling import by_class, kernel_ms
 
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for e in prof.key_averages():
-        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        if us <= 0 or e.key.startswith(("cudaGraph", "Memcpy", "Memset")):
-            continue
-        cls = next((c for c, pat in KERNEL_CLASSES if re.search(pat, e.key, re.I)), "other")
-        out[cls] = out.get(cls, 0.0) + us / 1e3
-    return out
+    return by_class(kernel_ms(prof), KERNEL_CLASSES)
 
 
 def main() -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -173,29 +172,22 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks.profiling import by_class, kernel_ms
     from megatron_jetrl.rollout import SamplingParams
 
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
 
-    def kernel_ms(new_tokens: int) -> dict[str, float]:
+    def profiled(new_tokens: int) -> dict[str, float]:
         params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=2)
         engine.generate(prompts, params)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, params)
-        kernels: dict[str, float] = {}
-        for e in prof.key_averages():
-            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            if us > 0 and not e.key.startswith("cudaGraph") and "Memcpy" not in e.key and "Memset" not in e.key:
-                kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + us / 1e3
-        return kernels
+        return kernel_ms(prof)
 
-    prefill, whole = kernel_ms(1), kernel_ms(1 + steps)
+    prefill, whole = profiled(1), profiled(1 + steps)
     kernels = {k: v - prefill.get(k, 0.0) for k, v in whole.items()}
-    classes: dict[str, float] = {}
-    for key, ms in kernels.items():
-        cls = next((c for c, pat in KERNEL_CLASSES if re.search(pat, key, re.I)), "other")
-        classes[cls] = classes.get(cls, 0.0) + ms
+    classes = by_class(kernels, KERNEL_CLASSES)
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
     return {"batch": batch, "steps": steps, "classes_ms": classes, "top_kernels_ms": top,
             "prefill_ms": sum(prefill.values())}

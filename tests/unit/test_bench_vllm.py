@@ -106,3 +106,22 @@ def test_model_shapes_and_the_lm_head_share():
     assert lm_head_flop_share(qwen3_shaped("qwen3-8b", 6)) > 0.33  # 6 layers: over a third
     with pytest.raises(ValueError, match="qwen3-4b"):
         qwen3_shaped("qwen3-32b")
+
+
+def test_kernel_time_by_class():
+    """The benchmarks' kernel-time split: graph launches and copies left out, names classified by
+    the first pattern they match (FA3's CUTLASS kernels as attention, not GEMM)."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_vllm import KERNEL_CLASSES
+    from benchmarks.profiling import by_class, kernel_ms
+
+    events = [SimpleNamespace(key=k, device_time_total=us) for k, us in (
+        ("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>", 2000.0), ("nvjet_sm90_tst_192x128", 5000.0),
+        ("cudaGraphLaunch", 9000.0), ("Memcpy HtoD (Pinned -> Device)", 700.0), ("triton_poi_fused_silu", 300.0),
+        ("some_kernel", 100.0))]
+    kernels = kernel_ms(SimpleNamespace(key_averages=lambda: events))
+    assert kernels == {"void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>": 2.0, "nvjet_sm90_tst_192x128": 5.0,
+                       "triton_poi_fused_silu": 0.3, "some_kernel": 0.1}
+    assert by_class(kernels, KERNEL_CLASSES) == {"attention": 2.0, "gemm": 5.0, "norm / rope / act": 0.3,
+                                                 "other": 0.1}
