@@ -303,8 +303,8 @@ def remove_stale_outputs(out: Path) -> list[Path]:
             pid_text = path.name.rpartition("-")[2]
             if not (path.is_dir() and pid_text.isdigit()):
                 continue
-            owner = path / _OWNER
-            owner_host = owner.read_text().split()[0] if owner.is_file() and owner.read_text().split() else host
+            owner = (path / _OWNER).read_text().split() if (path / _OWNER).is_file() else []
+            owner_host = owner[0] if owner else host
             # an .old- directory is the previous output until the new one took its place
             if owner_host == host and not _pid_alive(int(pid_text)) and (kind == "tmp" or out.exists()):
                 shutil.rmtree(path, ignore_errors=True)
