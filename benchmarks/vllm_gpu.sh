@@ -5,7 +5,7 @@
 # /tmp/bench_vllm while the machine stays warm; both go back packed as $OUT/vllm_gpu.tgz (the
 # device tool returns few files).
 #
-#   bash benchmarks/vllm_gpu.sh [--tests "engine rl"] [--decode bf16,fp8,fp8kv] [--cases 64x512,...]
+#   bash benchmarks/vllm_gpu.sh [--tests "engine engine-two rl"] [--decode bf16,fp8,fp8kv] [--cases 64x512,...]
 #                               [--profile] [--sync in_place,update_weights,reload] [--step] [--table]
 #                               [--fp8-gemm cutlass|deep_gemm]
 set -uo pipefail
@@ -24,13 +24,14 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-out=/tmp/vllm_gpu_out
+out=${VLLM_GPU_OUT:-/tmp/vllm_gpu_out}  # one per lane when two run side by side (vllm_two_gpus.sh)
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 # shellcheck source=benchmarks/gpu_setup.sh
 . benchmarks/gpu_setup.sh
-if [ -d /tmp/vb/.vllm_p1 ]; then
+if [ -d /tmp/vb/.vllm_p1 ] && [ ! -f /tmp/vsite/.installed ]; then
   BUNDLE_ROOT=/tmp/vb bash /tmp/vb/.vllm_p1/install.sh >"$out/vllm_install.log" 2>&1 \
     || { tail -30 "$out/vllm_install.log"; exit 1; }
+  touch /tmp/vsite/.installed
 fi
 [ -d /tmp/vsite/vllm ] || { echo "vLLM is not installed in /tmp/vsite: carry the bundle first"; exit 1; }
 export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
@@ -40,16 +41,17 @@ python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$out/device.
 rc=0
 for t in $tests; do
   case "$t" in
-    engine) f=tests/gpu/test_vllm_engine.py; k="" ;;
+    engine) f=tests/gpu/test_vllm_engine.py; k="not two_gpus" ;;
+    engine-two) f=tests/gpu/test_vllm_engine.py; k="two_gpus" ;;
     rl) f=tests/gpu/test_rl_loop.py; k="vllm" ;;
     *) f=$t; k="" ;;
   esac
-  t0=$(date +%s)
+  t0=$(date +%s) name=$(basename "$t" .py)
   python3 -X faulthandler -m pytest -v -s --tb=short -m gpu "$f" ${k:+-k "$k"} -p no:cacheprovider \
-    >"$out/test_$(basename "$f" .py).log" 2>&1
+    >"$out/test_$name.log" 2>&1
   r=$?; [ $r -eq 0 ] || rc=$r
-  echo "$f${k:+ -k $k} rc=$r ($(( $(date +%s) - t0 ))s): $(tail -1 "$out/test_$(basename "$f" .py).log")"
-  grep -E "^(FAILED|ERROR)|Fatal Python error|^E  " "$out/test_$(basename "$f" .py).log" | head -30
+  echo "$f${k:+ -k $k} rc=$r ($(( $(date +%s) - t0 ))s): $(tail -1 "$out/test_$name.log")"
+  grep -E "^(FAILED|ERROR)|Fatal Python error|^E  " "$out/test_$name.log" | head -30
 done
 [ -d "$out/rl" ] && python3 benchmarks/rl_summary.py "$out"/rl/*.metrics.jsonl --json "$out/rl_summary.json"
 
@@ -61,6 +63,6 @@ if [ $table -eq 1 ]; then
   mkdir -p /tmp/bench_vllm && cp docs/results/headline.json /tmp/bench_vllm/headline.json 2>/dev/null
   "${bench[@]}" table --headline /tmp/bench_vllm/headline.json
 fi
-tar czf "${OUT:-.}/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm 2>/dev/null
+[ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm 2>/dev/null
 echo "vllm_gpu rc=$rc"
 exit $rc

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.vllm_engine import VllmOptions, engine_env
@@ -23,10 +24,10 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 pytestmark = [pytest.mark.gpu, requires_vllm]
 
 
-def _run(tmp_path_factory, scenario: str) -> dict:
+def _run(tmp_path_factory, scenario: str, nproc: int = 1) -> dict:
     for var, value in engine_env(PrecisionRecipe(), VllmOptions(), 4).items():
         os.environ[var] = value  # the launcher's part: vLLM reads these at import
-    data = _launch(tmp_path_factory.mktemp(scenario), 1, scenario, worker=WORKER)
+    data = _launch(tmp_path_factory.mktemp(scenario), nproc, scenario, worker=WORKER)
     _ok(data, scenario)
     return data["results"]
 
@@ -100,3 +101,28 @@ def test_fp8_kv_cache_takes_the_trainers_scales(mismatch):
     assert r["kv_scales_held_equal"], r
     assert all(0 < v < 1 for layer in r["kv_scales"] for v in layer), r["kv_scales"]
     assert r["tokens"] > 500 and 0 <= r["k3_kl"] < 1, r
+
+
+@pytest.mark.parametrize("scenario", ["tp2_to_vllm_tp2", "tp2_to_vllm_tp2_reload", "tp2_to_vllm_tp1"])
+def test_two_gpus_trainer_tp2_into_vllm(tmp_path_factory, scenario):
+    """Trainer TP=2 into vLLM at rollout TP 2 (in place / update_weights, and vLLM's loaders fed
+    presharded tensors) and rollout TP 1: every rank holds the trainer's bytes of its shard."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"trainer TP=2 needs 2 GPUs; this host has {torch.cuda.device_count()}")
+    ranks = _run(tmp_path_factory, scenario, nproc=2)[scenario]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        _identical(r["identity_first"])
+        _identical(r["identity_after_step"])
+        assert r["changed_after_step"] > 0
+        assert r["generated"]
+        assert r["sleep_freed_gib"] > 0.5, r["sleep_freed_gib"]
+        assert r["sleep_host_rss_growth_gib"] < 0.5, r["sleep_host_rss_growth_gib"]
+        if scenario == "tp2_to_vllm_tp2":
+            assert r["identity_first"]["in_place"] == r["identity_first"]["tensors"]
+        if "mismatch" in r:
+            assert r["mismatch"]["k3_kl"] < 1e-3, r["mismatch"]
+    rollout_tp = 2 if "vllm_tp2" in scenario else 1
+    assert [r["vllm_tp_rank"] for r in ranks] == ([0, 1] if rollout_tp == 2 else [0, 0])
+    if rollout_tp == 2:
+        assert ranks[0]["ranks_sample_alike"]  # one engine across both ranks

@@ -14,6 +14,10 @@ is one launch:
   mismatch.
 - engine_fp8_reload: the same through vLLM's own loaders (layerwise reload).
 In both, every live tensor (norms and embeddings too) also hashes equal to what the sync shipped.
+- tp2_to_vllm_tp2 / tp2_to_vllm_tp2_reload / tp2_to_vllm_tp1 (2 GPUs): trainer TP=2 into vLLM at
+  rollout TP 2 (in place, update_weights, and vLLM's loaders fed presharded tensors) and at
+  rollout TP 1, trainer and engine NCCL groups in the same processes: the byte identity on both
+  ranks, a level-2 sleep, generation after the wake.
 - mismatch_<mode>: engine-vs-trainer logprob mismatch for fp8, bf16, bf16-train+fp8-rollout and fp16
   (all eager, so alike);
   mismatch_fp8kv: unified FP8 with an FP8 KV cache whose q/k/v scales the trainer measured.
@@ -97,17 +101,17 @@ def rss_gib() -> float:
 
 
 class Scenarios(SyncScenarios):
-    def _setup(self, mode: str, options: VllmOptions, steps: int = 3):
-        """An actor after ``steps`` supervised steps (distributions not near uniform), the engine,
-        and a sync between them (bucket 1 MB: many rounds)."""
-        actor = self.actor(ARCH, mode=mode, lr=1e-3)
+    def _setup(self, mode: str, options: VllmOptions, steps: int = 3, tp: int = 1):
+        """An actor (trainer TP ``tp``) after ``steps`` supervised steps (distributions not near
+        uniform), the engine, and a sync between them (bucket 1 MB: many rounds)."""
+        actor = self.actor(ARCH, mode=mode, tp=tp, lr=1e-3)
         recipe = actor.settings.precision
         for step in range(steps):
             actor.update(make_batch(actor.bridge.dims.vocab_size, seed=100 + step), cross_entropy_loss)
         start = time.perf_counter()
         engine = VllmEngine(actor.bridge.hf_config, recipe, options)
         self.record(f"{mode}/engine_start_s", time.perf_counter() - start)
-        plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, 1, self.world)
+        plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, options.tensor_parallel_size, self.world)
         sync = WeightSync(plan, dist.get_rank(), device=actor.device, bucket_mb=1)
         return actor, engine, sync
 
@@ -124,14 +128,14 @@ class Scenarios(SyncScenarios):
         engine.sleep()
         return engine_vs_trainer(actor, prompts, samples, kv_scales=kv_scales)
 
-    def _identity(self, actor, engine, sync, *, in_place: bool) -> dict:
+    def _identity(self, actor, engine, sync, *, in_place: bool, rollout_tp: int = 1) -> dict:
         """Sync, then compare vLLM's live bytes with the trainer's FProp weights (FP8 tensors) and
         with everything the sync shipped (all tensors, norms and embeddings included)."""
         shards = actor.weight_shards()
         report = sync.sync(shards, engine, in_place=in_place)
         engine.wake()  # closes a layerwise update (reload); vLLM's memory must be mapped to read it
         got = live_hashes(engine)
-        want = trainer_fp8_hashes(actor, 1, 0)
+        want = trainer_fp8_hashes(actor, rollout_tp, dist.get_rank() % rollout_tp)
         shipped = Recorder(sync.engine_specs())
         sync.sync(shards, shipped, in_place=False)
         shipped_hashes = {n: sha(t) for n, t in shipped.tensors.items()}
@@ -228,6 +232,61 @@ class Scenarios(SyncScenarios):
                                           "mismatch": mismatch})
         engine.close()
         actor.close()
+
+    def _two_gpus(self, name: str, rollout_tp: int, weight_update: str):
+        """Trainer TP=2 -> vLLM rollout TP ``rollout_tp`` in the same two processes (trainer and
+        engine NCCL groups side by side): each rank's live vLLM bytes equal the trainer's FP8 bytes
+        of that rank's rollout shard, before and after an optimizer step; a level-2 sleep frees
+        memory on every rank and the engine generates after the wake. Rank 0 records every rank's
+        result."""
+        if self.world != 2:
+            raise RuntimeError(f"{name} runs on 2 GPUs; launched with {self.world}")
+        options = VllmOptions(tensor_parallel_size=rollout_tp, gpu_memory_utilization=0.2, max_model_len=512,
+                              max_num_seqs=64, enforce_eager=True, weight_update=weight_update)
+        actor, engine, sync = self._setup("fp8", options, steps=2, tp=2)
+        vocab = actor.bridge.dims.vocab_size
+        in_place = weight_update == "in_place"
+        r = {"rank": dist.get_rank(), "vllm_tp_rank": engine.tp_rank}
+        engine.sleep()
+        first = self._identity(actor, engine, sync, in_place=in_place, rollout_tp=rollout_tp)
+        engine.wake()
+        awake, rss = used_gib(), rss_gib()
+        engine.sleep()
+        r["sleep_freed_gib"] = awake - used_gib()
+        r["sleep_host_rss_growth_gib"] = rss_gib() - rss
+        actor.update(make_batch(vocab, seed=7), cross_entropy_loss)
+        second = self._identity(actor, engine, sync, in_place=False, rollout_tp=rollout_tp)
+        engine.wake()
+        samples = engine.generate(self._prompts(vocab), SamplingParams(n=2, temperature=1.0, max_new_tokens=32,
+                                                                      seed=5))
+        tokens = [s.tokens for s in samples]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, tokens)
+        r["generated"] = len(samples) == 2 * len(PROMPT_LENS) and all(len(t) == 32 for t in tokens)
+        r["ranks_sample_alike"] = all(t == everyone[0] for t in everyone)  # reported (rollout TP 1: 2 engines)
+        if rollout_tp == self.world:  # one engine: both trainer ranks see the same samples
+            engine.sleep()
+            r["mismatch"], _ = engine_vs_trainer(actor, self._prompts(vocab), samples)
+        r["changed_after_step"] = sum(first["hashes"][k] != second["hashes"][k] for k in first["hashes"])
+        for key, ident in (("identity_first", first), ("identity_after_step", second)):
+            r[key] = {k: v for k, v in ident.items() if k != "hashes"}
+        ranks = [None] * self.world
+        dist.all_gather_object(ranks, r)
+        self.record(name, ranks)
+        engine.close()
+        actor.close()
+
+    def tp2_to_vllm_tp2(self):
+        """In place into vLLM's TP-sharded parameters, then through update_weights."""
+        self._two_gpus("tp2_to_vllm_tp2", 2, "in_place")
+
+    def tp2_to_vllm_tp2_reload(self):
+        """vLLM's own loaders, fed this rank's shards (the presharded update)."""
+        self._two_gpus("tp2_to_vllm_tp2_reload", 2, "reload")
+
+    def tp2_to_vllm_tp1(self):
+        """Each rank's own engine holds the whole model, gathered from the trainer's two TP shards."""
+        self._two_gpus("tp2_to_vllm_tp1", 1, "in_place")
 
     def _mismatch_mode(self, mode: str, **options):
         opts = VllmOptions(gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=64, enforce_eager=True,

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# A 2-GPU host kept busy on both GPUs, in the background so the work runs on between device calls
+# while the machine stays warm (each call may last 10 minutes; the machine is held for 30):
+#
+#   bash benchmarks/vllm_two_gpus.sh start      # install vLLM (bundle in /tmp/vb), build, start the lanes
+#   bash benchmarks/vllm_two_gpus.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
+#
+# First both GPUs: trainer TP=2 into vLLM at rollout TP 2 and 1 (tests/gpu/test_vllm_engine.py -k
+# two_gpus). Then two lanes side by side:
+#   GPU 0: the vLLM decode benchmark, BF16 / FP8 / FP8+FP8-KV one after another on this one GPU
+#          (the FP8-over-BF16 ratios compare runs of the same GPU), with kernel profiles;
+#   GPU 1: the one-GPU vLLM tests (engine, RL loop), then the sync and the RL-step benchmarks.
+# Last, the table (benchmarks/bench_vllm.py table) with the headline figures.
+# Override the lanes with LANE0_ARGS / LANE1_ARGS (vllm_gpu.sh arguments).
+set -uo pipefail
+lanes=/tmp/lanes
+case "${1:-}" in
+  start)
+    mkdir -p $lanes
+    # install and build once, in the foreground (both lanes would otherwise race for them)
+    VLLM_GPU_OUT=/tmp/vllm_gpu_out/setup bash benchmarks/vllm_gpu.sh || exit 1
+    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "vllm_two_gpus.sh needs 2 GPUs; use vllm_gpu.sh"; exit 1; }
+    lane0=${LANE0_ARGS:-"--decode bf16,fp8,fp8kv --profile"}
+    lane1=${LANE1_ARGS:-'--tests "engine rl" --sync in_place,update_weights,reload --step'}
+    cat >$lanes/plan.sh <<EOF
+cd "$PWD"
+export PATH="$PATH" PYTHONPATH="${PYTHONPATH:-}" OUT=
+VLLM_GPU_OUT=/tmp/vllm_gpu_out/both bash benchmarks/vllm_gpu.sh --tests engine-two >$lanes/both.log 2>&1
+( CUDA_VISIBLE_DEVICES=0 VLLM_GPU_OUT=/tmp/vllm_gpu_out/gpu0 bash benchmarks/vllm_gpu.sh \
+    $lane0 >$lanes/gpu0.log 2>&1; echo "lane rc=\$?" >>$lanes/gpu0.log ) &
+( CUDA_VISIBLE_DEVICES=1 VLLM_GPU_OUT=/tmp/vllm_gpu_out/gpu1 bash benchmarks/vllm_gpu.sh \
+    $lane1 >$lanes/gpu1.log 2>&1
+  echo "lane rc=\$?" >>$lanes/gpu1.log ) &
+wait
+VLLM_GPU_OUT=/tmp/vllm_gpu_out/table bash benchmarks/vllm_gpu.sh --table >$lanes/table.log 2>&1
+touch $lanes/done
+EOF
+    setsid nohup bash $lanes/plan.sh >$lanes/plan.log 2>&1 </dev/null &
+    echo "lanes started (pid $!)"
+    ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-560} ))
+    while [ ! -f $lanes/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+    for f in both gpu0 gpu1 table; do
+      [ -f $lanes/$f.log ] && { echo "== $f"; grep -vE "^\s*$" $lanes/$f.log | tail -25; }
+    done
+    ls /tmp/bench_vllm 2>/dev/null | tr '\n' ' '; echo
+    [ -f $lanes/done ] && echo "ALL DONE" || echo "still running"
+    [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm lanes 2>/dev/null
+    true
+    ;;
+  *) echo "usage: vllm_two_gpus.sh start | wait SECONDS"; exit 2 ;;
+esac
