@@ -350,7 +350,8 @@ def table(args) -> str:
     if args.headline and headline:
         from benchmarks.headline import update
 
-        command = "bash benchmarks/vllm_gpu.sh (python benchmarks/bench_vllm.py decode/sync/step/table)"
+        command = ("bash benchmarks/vllm_two_gpus.sh start (2 GPUs) or benchmarks/vllm_gpu.sh (1 GPU): "
+                   "python benchmarks/bench_vllm.py decode, sync, step, then table --headline")
         update(args.headline, headline, device=device, command=command)
         lines.append(f"\nheadline -> {args.headline}: " + ", ".join(f"{k} {v:.3f}" for k, v in headline.items()))
     return "\n".join(lines)

@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-out=${VLLM_GPU_OUT:-/tmp/vllm_gpu_out}  # one per lane when two run side by side (vllm_two_gpus.sh)
+out=${JETRL_VLLM_OUT:-/tmp/vllm_gpu_out}  # one per lane when two run side by side (vllm_two_gpus.sh)
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 # shellcheck source=benchmarks/gpu_setup.sh
 . benchmarks/gpu_setup.sh

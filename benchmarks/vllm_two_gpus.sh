@@ -18,21 +18,21 @@ case "${1:-}" in
   start)
     mkdir -p $lanes
     # install and build once, in the foreground (both lanes would otherwise race for them)
-    VLLM_GPU_OUT=/tmp/vllm_gpu_out/setup bash benchmarks/vllm_gpu.sh || exit 1
+    JETRL_VLLM_OUT=/tmp/vllm_gpu_out/setup bash benchmarks/vllm_gpu.sh || exit 1
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "vllm_two_gpus.sh needs 2 GPUs; use vllm_gpu.sh"; exit 1; }
     lane0=${LANE0_ARGS:-"--decode bf16,fp8,fp8kv --profile"}
     lane1=${LANE1_ARGS:-'--tests "engine rl" --sync in_place,update_weights,reload --step'}
     cat >$lanes/plan.sh <<EOF
 cd "$PWD"
 export PATH="$PATH" PYTHONPATH="${PYTHONPATH:-}" OUT=
-VLLM_GPU_OUT=/tmp/vllm_gpu_out/both bash benchmarks/vllm_gpu.sh --tests engine-two >$lanes/both.log 2>&1
-( CUDA_VISIBLE_DEVICES=0 VLLM_GPU_OUT=/tmp/vllm_gpu_out/gpu0 bash benchmarks/vllm_gpu.sh \
+JETRL_VLLM_OUT=/tmp/vllm_gpu_out/both bash benchmarks/vllm_gpu.sh --tests engine-two >$lanes/both.log 2>&1
+( CUDA_VISIBLE_DEVICES=0 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu0 bash benchmarks/vllm_gpu.sh \
     $lane0 >$lanes/gpu0.log 2>&1; echo "lane rc=\$?" >>$lanes/gpu0.log ) &
-( CUDA_VISIBLE_DEVICES=1 VLLM_GPU_OUT=/tmp/vllm_gpu_out/gpu1 bash benchmarks/vllm_gpu.sh \
+( CUDA_VISIBLE_DEVICES=1 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu1 bash benchmarks/vllm_gpu.sh \
     $lane1 >$lanes/gpu1.log 2>&1
   echo "lane rc=\$?" >>$lanes/gpu1.log ) &
 wait
-VLLM_GPU_OUT=/tmp/vllm_gpu_out/table bash benchmarks/vllm_gpu.sh --table >$lanes/table.log 2>&1
+JETRL_VLLM_OUT=/tmp/vllm_gpu_out/table bash benchmarks/vllm_gpu.sh --table >$lanes/table.log 2>&1
 touch $lanes/done
 EOF
     setsid nohup bash $lanes/plan.sh >$lanes/plan.log 2>&1 </dev/null &

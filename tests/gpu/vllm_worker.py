@@ -46,9 +46,10 @@ from tests.gpu.sync_worker import Scenarios as SyncScenarios  # noqa: E402
 PROMPT_LENS = (16, 40, 7, 64)
 
 
-def live_hashes(engine: VllmEngine) -> dict[str, str]:
+def live_hashes(engine: VllmEngine) -> tuple[dict[str, str], dict[str, tuple[int, int]]]:
     """sha256 of every tensor vLLM computes with, by HF name: fused q/k/v and gate/up split by the
-    layer's partition sizes, FP8 scales by 128-row blocks, this rank's vocabulary rows."""
+    layer's partition sizes, FP8 scales by 128-row blocks, this rank's vocabulary rows; and those
+    rows (start, stop) of each vocabulary tensor (the sync ships it whole; vLLM keeps its shard)."""
 
     def read(worker):
         from vllm.model_executor.layers.linear import LinearBase
@@ -56,7 +57,7 @@ def live_hashes(engine: VllmEngine) -> dict[str, str]:
 
         model = worker.get_model()
         packed = getattr(model, "packed_modules_mapping", {})
-        out = {}
+        out, rows = {}, {}
         for name, param in model.named_parameters():
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
@@ -70,9 +71,10 @@ def live_hashes(engine: VllmEngine) -> dict[str, str]:
             elif isinstance(module, VocabParallelEmbedding):
                 s = module.shard_indices
                 out[name] = sha(t[: s.org_vocab_end_index - s.org_vocab_start_index])
+                rows[name] = (s.org_vocab_start_index, s.org_vocab_end_index)
             else:
                 out[name] = sha(t)
-        return out
+        return out, rows
 
     return engine._on_worker(read)
 
@@ -134,11 +136,11 @@ class Scenarios(SyncScenarios):
         shards = actor.weight_shards()
         report = sync.sync(shards, engine, in_place=in_place)
         engine.wake()  # closes a layerwise update (reload); vLLM's memory must be mapped to read it
-        got = live_hashes(engine)
+        got, rows = live_hashes(engine)
         want = trainer_fp8_hashes(actor, rollout_tp, dist.get_rank() % rollout_tp)
         shipped = Recorder(sync.engine_specs())
         sync.sync(shards, shipped, in_place=False)
-        shipped_hashes = {n: sha(t) for n, t in shipped.tensors.items()}
+        shipped_hashes = {n: sha(t[slice(*rows[n])] if n in rows else t) for n, t in shipped.tensors.items()}
         fp8 = {k: got.get(k) for k in want}
         return {"equal": bool(want) and fp8 == want, "fp8_tensors": len(want), "in_place": report.in_place,
                 "first_diff": next((k for k in want if fp8[k] != want[k]), None), "hashes": fp8,
