@@ -145,6 +145,7 @@ class Scenarios(SyncScenarios):
         return {"equal": bool(want) and fp8 == want, "fp8_tensors": len(want), "in_place": report.in_place,
                 "first_diff": next((k for k in want if fp8[k] != want[k]), None), "hashes": fp8,
                 "live_equals_shipped": got == shipped_hashes, "tensors": len(got),
+                "vocab_shards": sum(stop - start < shipped.tensors[n].shape[0] for n, (start, stop) in rows.items()),
                 "first_shipped_diff": next((k for k in shipped_hashes if got.get(k) != shipped_hashes[k]), None),
                 "sync_s": report.total_s}
 
