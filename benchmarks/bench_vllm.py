@@ -2,7 +2,7 @@
 vLLM, and a whole RL step with vLLM rollout. One table, printed last; the headline ratios go to
 docs/results/headline.json.
 
-    python benchmarks/bench_vllm.py decode --modes bf16,fp8,fp8kv [--cases 64x512,256x512,64x4096,256x4096]
+    python benchmarks/bench_vllm.py decode --modes bf16,fp8,fp8kv[,fp8-tq,fp8kv-tq] [--cases 64x512,...]
     python benchmarks/bench_vllm.py sync                 # 8B FP8 trainer shards -> vLLM, each update path
     python benchmarks/bench_vllm.py step                 # jetrl train, Qwen3-8B layer shapes, FP8 and BF16
     python benchmarks/bench_vllm.py table [--headline docs/results/headline.json]
@@ -45,10 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = {  # name -> (precision.mode, kv_cache_dtype)
-    "bf16": ("bf16", "auto"),
-    "fp8": ("fp8", "auto"),
-    "fp8kv": ("fp8", "fp8"),
+MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_quant)
+    "bf16": ("bf16", "auto", "vllm"),
+    "fp8": ("fp8", "auto", "vllm"),
+    "fp8kv": ("fp8", "fp8", "vllm"),
+    "fp8-tq": ("fp8", "auto", "trainer"),  # the trainer's activation quantization inside vLLM
+    "fp8kv-tq": ("fp8", "fp8", "trainer"),
 }
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, DeepGEMM, FlashAttention 3, vLLM's ops
     # FlashAttention 3 kernels are CUTLASS device kernels ("cutlass::device_kernel<flash::..."): first
@@ -94,10 +96,11 @@ def _engine(mode: str, args, **overrides):
     torch.cuda.set_device(0)
     if not dist.is_initialized():
         dist.init_process_group("nccl")
-    precision, kv = MODES[mode]
+    precision, kv, activation_quant = MODES[mode]
     recipe = PrecisionRecipe(mode=precision)
     options = VllmOptions(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                           max_model_len=args.prompt_len + args.max_len, kv_cache_dtype=kv,
+                          activation_quant=activation_quant,
                           enable_prefix_caching=False, fp8_gemm=args.fp8_gemm,
                           cuda_graph_max_batch=args.max_num_seqs, **overrides)
     start = time.perf_counter()
@@ -402,6 +405,9 @@ def main(argv=None) -> int:
             dist.destroy_process_group()
         return 0
     if args.command == "decode":
+        unknown = [m for m in args.modes.split(",") if m not in MODES]
+        if unknown:
+            p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
         for mode in args.modes.split(","):
             run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else []))
     elif args.command == "sync":

@@ -56,6 +56,7 @@ import torch
 from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
+from megatron_jetrl.rollout import vllm_quant
 from megatron_jetrl.rollout.base import (MissingWeights, Sample, SamplingParams, TensorMeta, WeightMismatch,
                                          check_against_specs)
 from megatron_jetrl.rollout.vllm_model import KV_SCALES, DirectTargets, LayerwiseUpdate, model_weight_specs
@@ -153,6 +154,10 @@ class VllmOptions:
     fp8_gemm: Literal["cutlass", "deep_gemm"] = "cutlass"
     """vLLM's block-FP8 GEMM on Hopper: ``cutlass`` or ``deep_gemm`` (JIT-compiled at start-up,
     minutes for a large model)."""
+    activation_quant: Literal["vllm", "trainer"] = "vllm"
+    """Who quantizes a linear's input in FP8 rollout: ``vllm`` (its own kernels and rule) or
+    ``trainer`` (the trainer's 1x128 kernel and TE's rule, with vLLM's norm/activation+quant
+    fusions off: the codes the trainer's FProp makes from the same input; ``vllm_quant.py``)."""
 
     def __post_init__(self) -> None:
         k = "rollout.vllm"
@@ -215,10 +220,15 @@ def llm_kwargs(model_path: str | Path, hf_config: Mapping[str, Any], recipe: Pre
         enforce_eager=options.enforce_eager,
         enable_prefix_caching=options.enable_prefix_caching,
     )
+    compilation: dict[str, Any] = {}
     if options.cuda_graph_max_batch is not None and not options.enforce_eager:
         top = min(options.cuda_graph_max_batch, options.max_num_seqs)
-        sizes = sorted({*(s for s in (1, 2, 4) if s <= top), *range(8, top + 1, 8), top})
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+        compilation["cudagraph_capture_sizes"] = sorted({*(s for s in (1, 2, 4) if s <= top),
+                                                         *range(8, top + 1, 8), top})
+    if quant and options.activation_quant == "trainer":  # the fused kernels would quantize vLLM's way
+        compilation["pass_config"] = {"fuse_norm_quant": False, "fuse_act_quant": False}
+    if compilation:
+        kwargs["compilation_config"] = compilation
     return kwargs
 
 
@@ -288,6 +298,8 @@ class VllmEngine:
         """vLLM reads the architecture from a directory: the config alone, written here."""
         try:
             (Path(self._model_dir) / "config.json").write_text(json.dumps(config))
+            if recipe.rollout_fp8 and options.activation_quant == "trainer":
+                vllm_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon)
             self._llm = vllm.LLM(**llm_kwargs(self._model_dir, config, recipe, options))
             if recipe.rollout_fp8:
                 _check_no_requantization(vllm)
@@ -399,6 +411,7 @@ class VllmEngine:
         if self._model_dir is not None:
             shutil.rmtree(self._model_dir, ignore_errors=True)
             self._model_dir = None
+            vllm_quant.uninstall()  # a later engine of this process chooses again
 
     @property
     def weights_discarded(self) -> bool:

@@ -18,12 +18,13 @@ import torch.multiprocessing as mp
 from vllm.logprobs import Logprob
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+from vllm.config import set_current_vllm_config
 from vllm.outputs import CompletionOutput, RequestOutput
 
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.models.fp8_export import to_fp8_block
-from megatron_jetrl.precision import Fp8Options, PrecisionMode, PrecisionRecipe
+from megatron_jetrl.precision import Fp8Options, PrecisionMode, PrecisionRecipe, quantize_fp8_blockwise
 from megatron_jetrl.rollout.base import SamplingParams, TensorMeta, WeightMismatch
 from megatron_jetrl.rollout.vllm_engine import VllmEngine, VllmOptions, engine_env, samples_from_outputs
 from megatron_jetrl.rollout.vllm_model import DirectTargets, LayerwiseUpdate, fp8_kv_attention, model_weight_specs
@@ -34,6 +35,7 @@ from tests.contract.vllm_cpu import (
     assert_params_equal,
     build_vllm_model,
     cpu_vllm_config,
+    engine_config,
     expected_params,
     init_vllm_distributed,
     tiny_model,
@@ -453,3 +455,58 @@ def test_greedy_with_several_samples_goes_as_one_request_each(engine_on_cpu):
     assert all(p.n == 1 and p.temperature == 0.0 for p in params)
     assert [(s.prompt_index, s.tokens) for s in samples] == [(0, [0]), (0, [1]), (0, [2]), (1, [3]), (1, [4]),
                                                              (1, [5])]
+
+
+# -- the trainer's activation quantization inside vLLM ---------------------------------------------
+
+
+def mixed_activation(m: int = 192, k: int = 1024, seed: int = 0) -> torch.Tensor:
+    """BF16 rows of mixed magnitudes (as a norm's output scaled by its weight)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 3).to(torch.bfloat16)
+
+
+def test_trainer_activation_quant_replaces_vllms_in_every_fp8_linear(tmp_path, monkeypatch):
+    """``activation_quant=trainer``: every block-FP8 linear of the engine's model quantizes its input
+    with the trainer's kernel (the bytes of ``quantize_fp8_blockwise``, in the scale layout vLLM's
+    GEMM asked for), vLLM's norm/activation+quant fusions are off, and vLLM's own rule, on the same
+    input, gives other codes."""
+    set_engine_env(monkeypatch)
+    monkeypatch.setattr(vllm, "LLM", InProcessLLM)
+    recipe = PrecisionRecipe()
+    engine = VllmEngine(tiny_model("Qwen3ForCausalLM").config.to_dict(), recipe,
+                        VllmOptions(activation_quant="trainer"))
+    try:
+        passes = engine._llm.vllm_config.compilation_config.pass_config
+        assert passes.fuse_norm_quant is False and passes.fuse_act_quant is False
+        ops = [m.quant_method.fp8_linear.quant_fp8 for m in engine._llm.model.modules()
+               if isinstance(getattr(m, "quant_method", None), Fp8LinearMethod)]
+        assert ops and all(type(op).__name__ == "TrainerQuantFP8" and op.trainer_groups for op in ops)
+        x = mixed_activation()
+        want_q, want_s = quantize_fp8_blockwise(x, (1, 128))
+        q, s = ops[0].forward_native(x)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(s, want_s) and s.stride() == (1, x.shape[0])  # CUTLASS reads column-major scales
+        # one opaque call under torch.compile (vLLM compiles the model in one graph)
+        traced_q, traced_s = torch.compile(ops[0].forward_native, fullgraph=True, backend="aot_eager")(x)
+        assert torch.equal(traced_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(traced_s, want_s)
+    finally:
+        engine.close()
+    # closed: vLLM's own QuantFP8 again, whose rule gives other codes on the same input
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    with set_current_vllm_config(engine_config({"model": str(write_config(tiny_model("Qwen3ForCausalLM"),
+                                                                          tmp_path / "m")), "load_format": "dummy"})):
+        theirs = QuantFP8(False, GroupShape(1, 128), column_major_scales=True)
+    assert type(theirs) is QuantFP8
+    their_q, _ = theirs.forward_native(x)
+    assert (their_q.view(torch.uint8) != want_q.view(torch.uint8)).any()
+
+
+def test_trainer_activation_quant_is_off_by_default_and_for_bf16(tmp_path):
+    model_dir = write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt")
+    default = cpu_vllm_config(model_dir, PrecisionRecipe())
+    assert default.compilation_config.pass_config.fuse_norm_quant is not False  # vLLM decides
+    bf16 = cpu_vllm_config(model_dir, PrecisionRecipe(mode=PrecisionMode.BF16), VllmOptions(activation_quant="trainer"))
+    assert bf16.quant_config is None

@@ -20,7 +20,9 @@ In both, every live tensor (norms and embeddings too) also hashes equal to what 
   ranks, a level-2 sleep, generation after the wake.
 - mismatch_<mode>: engine-vs-trainer logprob mismatch for fp8, bf16, bf16-train+fp8-rollout and fp16
   (all eager, so alike);
-  mismatch_fp8kv: unified FP8 with an FP8 KV cache whose q/k/v scales the trainer measured.
+  mismatch_fp8kv: unified FP8 with an FP8 KV cache whose q/k/v scales the trainer measured;
+  mismatch_fp8_trainer_quant[_compiled]: unified FP8 with the trainer's activation quantization
+  inside vLLM (``activation_quant=trainer``), eager and compiled.
 """
 
 from __future__ import annotations
@@ -291,9 +293,9 @@ class Scenarios(SyncScenarios):
         """Each rank's own engine holds the whole model, gathered from the trainer's two TP shards."""
         self._two_gpus("tp2_to_vllm_tp1", 1, "in_place")
 
-    def _mismatch_mode(self, mode: str, **options):
-        opts = VllmOptions(gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=64, enforce_eager=True,
-                           **options)
+    def _mismatch_mode(self, mode: str, label: str = "", **options):
+        opts = VllmOptions(**{"gpu_memory_utilization": 0.2, "max_model_len": 512, "max_num_seqs": 64,
+                              "enforce_eager": True, **options})
         actor, engine, sync = self._setup(mode, opts)
         engine.sleep()
         sync.sync(actor.weight_shards(), engine)
@@ -307,7 +309,7 @@ class Scenarios(SyncScenarios):
             result = {**calibrated, "default_scales": result, "kv_scales": kv.tolist(),
                       "kv_scales_held_equal": kv_scales_held(engine) == kv.tolist()}
             name += "+fp8kv"
-        self.record(name, result)
+        self.record(name + label, result)
         engine.close()
         actor.close()
 
@@ -327,6 +329,15 @@ class Scenarios(SyncScenarios):
 
     def mismatch_fp8kv(self):
         self._mismatch_mode("fp8", kv_cache_dtype="fp8")
+
+    def mismatch_fp8_trainer_quant(self):
+        """Unified FP8 with the trainer's activation quantization inside vLLM, eager and compiled
+        (CUDA graphs + torch.compile, its norm/activation+quant fusions off)."""
+        self._mismatch_mode("fp8", " trainer-quant", activation_quant="trainer")
+
+    def mismatch_fp8_trainer_quant_compiled(self):
+        self._mismatch_mode("fp8", " trainer-quant (compiled, CUDA graphs)", activation_quant="trainer",
+                            enforce_eager=False, cuda_graph_max_batch=64)
 
 
 if __name__ == "__main__":
