@@ -269,8 +269,8 @@ class VllmEngine:
     """``RolloutEngine`` on an in-process vLLM (see the module docstring).
 
     Args:
-        hf_config: the policy's HF config (a dict, or a directory / file holding ``config.json``):
-            the architecture and its sizes. No weights and no tokenizer are read (weights come from
+        hf_config: the policy's HF config as a dict (the job reads it once, ``job.model``): the
+            architecture and its sizes. No weights and no tokenizer are read (weights come from
             the sync; prompts are token ids).
         recipe: precision recipe: rollout dtype, FP8 block config, layers kept in BF16.
         options: the ``rollout.vllm`` section.
@@ -281,13 +281,14 @@ class VllmEngine:
     and that vLLM holds every weight in the checkpoint layout.
     """
 
-    def __init__(self, hf_config: Mapping[str, Any] | str | Path, recipe: PrecisionRecipe,
-                 options: VllmOptions = VllmOptions()):
+    def __init__(self, hf_config: Mapping[str, Any], recipe: PrecisionRecipe, options: VllmOptions = VllmOptions()):
+        if not isinstance(hf_config, Mapping):
+            raise TypeError(f"hf_config must be the HF config as a dict; got {type(hf_config).__name__}")
         if not isinstance(recipe, PrecisionRecipe):
             raise TypeError(f"recipe must be a PrecisionRecipe; got {type(recipe).__name__}")
         if not isinstance(options, VllmOptions):
             raise TypeError(f"options must be a VllmOptions; got {type(options).__name__}")
-        config = _read_config(hf_config)
+        config = dict(hf_config)
         self.bridge = bridge_for(config)
         self.recipe, self.options = recipe, options
         check_environment(engine_env(recipe, options, self.bridge.dims.num_layers))
@@ -461,13 +462,3 @@ class VllmEngine:
             detokenize=False,
             skip_special_tokens=False,
         )
-
-
-def _read_config(hf_config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
-    if isinstance(hf_config, Mapping):
-        return dict(hf_config)
-    path = Path(hf_config)
-    path = path / "config.json" if path.is_dir() else path
-    if not path.is_file():
-        raise ConfigError("model.hf_config", str(hf_config), "must be an HF checkpoint directory with a config.json")
-    return json.loads(path.read_text())

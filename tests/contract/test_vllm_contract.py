@@ -367,16 +367,16 @@ def test_engine_checks_the_recipe_environment(tmp_path, monkeypatch):
     set_engine_env(monkeypatch)
     monkeypatch.delenv(E8M0_OFF[0], raising=False)
     monkeypatch.setattr(vllm, "LLM", InProcessLLM)
-    model_dir = write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt")
+    config = tiny_model("Qwen3ForCausalLM").config.to_dict()
     with pytest.raises(ConfigError, match=r"VLLM_USE_DEEP_GEMM_E8M0=0"):
-        VllmEngine(model_dir, PrecisionRecipe())
+        VllmEngine(config, PrecisionRecipe())
     monkeypatch.setenv(E8M0_OFF[0], "1")
     with pytest.raises(ConfigError, match=r"environment:VLLM_USE_DEEP_GEMM_E8M0: got '1'"):
-        VllmEngine(model_dir, PrecisionRecipe())
+        VllmEngine(config, PrecisionRecipe())
     monkeypatch.setenv(*E8M0_OFF)
     monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")  # the kernel the config did not choose
     with pytest.raises(ConfigError, match=r"environment:VLLM_USE_DEEP_GEMM: got '1'.*VLLM_USE_DEEP_GEMM=0"):
-        VllmEngine(model_dir, PrecisionRecipe())
+        VllmEngine(config, PrecisionRecipe())
 
 
 # -- rollout TP 2: each rank loads only its own shards --------------------------------------------------

@@ -97,22 +97,20 @@ def _no_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
 
 
-def test_missing_vllm_says_how_to_install_it(tmp_path, monkeypatch):
+def test_missing_vllm_says_how_to_install_it(monkeypatch):
     _no_vllm(monkeypatch)
     with pytest.raises(ConfigError, match=r"pip install 'megatron-jetrl\[vllm\]'"):
         require_vllm()
-    tiny_hf_model("Qwen3ForCausalLM").config.to_json_file(tmp_path / "config.json")
     for var, value in engine_env(PrecisionRecipe(), VllmOptions(), 2).items():
         monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=r"pip install 'megatron-jetrl\[vllm\]'"):
-        VllmEngine(tmp_path, PrecisionRecipe())
+        VllmEngine(tiny_hf_model("Qwen3ForCausalLM").config.to_dict(), PrecisionRecipe())
 
 
 def test_engine_checks_its_inputs_before_vllm(tmp_path, monkeypatch):
     _no_vllm(monkeypatch)
-    with pytest.raises(ConfigError, match=r"model\.hf_config"):
+    with pytest.raises(TypeError, match=r"hf_config must be the HF config as a dict"):
         VllmEngine(tmp_path, PrecisionRecipe())
-    tiny_hf_model("Qwen3ForCausalLM").config.to_json_file(tmp_path / "config.json")
     monkeypatch.delenv("VLLM_USE_DEEP_GEMM_E8M0", raising=False)
     with pytest.raises(ConfigError, match=r"VLLM_USE_DEEP_GEMM_E8M0=0"):
-        VllmEngine(tmp_path, PrecisionRecipe())
+        VllmEngine(tiny_hf_model("Qwen3ForCausalLM").config.to_dict(), PrecisionRecipe())
