@@ -3,7 +3,7 @@ vLLM, and a whole RL step with vLLM rollout. One table, printed last; the headli
 docs/results/headline.json.
 
     python benchmarks/bench_vllm.py decode --modes bf16,fp8,fp8kv[,fp8-tq,fp8kv-tq] [--cases 64x512,...]
-    python benchmarks/bench_vllm.py sync                 # 8B FP8 trainer shards -> vLLM, each update path
+    python benchmarks/bench_vllm.py sync [--train-tp 2 --rollout-tp 2]  # 8B FP8 shards -> vLLM, each path
     python benchmarks/bench_vllm.py step                 # jetrl train, Qwen3-8B layer shapes, FP8 and BF16
     python benchmarks/bench_vllm.py table [--headline docs/results/headline.json]
 
@@ -93,7 +93,7 @@ def _engine(mode: str, args, **overrides):
     from megatron_jetrl.precision import PrecisionRecipe
     from megatron_jetrl.rollout.vllm_engine import VllmEngine, VllmOptions
 
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl")
     precision, kv, activation_quant = MODES[mode]
@@ -102,7 +102,8 @@ def _engine(mode: str, args, **overrides):
                           max_model_len=args.prompt_len + args.max_len, kv_cache_dtype=kv,
                           activation_quant=activation_quant,
                           enable_prefix_caching=False, fp8_gemm=args.fp8_gemm,
-                          cuda_graph_max_batch=args.max_num_seqs, **overrides)
+                          cuda_graph_max_batch=args.max_num_seqs,
+                          tensor_parallel_size=getattr(args, "rollout_tp", 1), **overrides)
     start = time.perf_counter()
     engine = VllmEngine(qwen3_8b_shaped(args.layers), recipe, options)
     return engine, recipe, time.perf_counter() - start
@@ -197,6 +198,8 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
 
 
 def sync_child(args) -> dict:
+    """Median seconds of a sync into a level-2-asleep engine (the slowest rank's, when several):
+    train TP ``--train-tp`` -> rollout TP ``--rollout-tp`` on max(train, rollout) GPUs."""
     import torch
     import torch.distributed as dist
 
@@ -208,9 +211,10 @@ def sync_child(args) -> dict:
     args.gpu_memory_utilization = args.sync_gpu_memory_utilization  # the trainer's shards share the GPU
     engine, recipe, start_s = _engine("fp8", args, enforce_eager=True,
                                       weight_update="reload" if path == "reload" else "in_place")
-    plan = SyncPlan(engine.bridge, recipe, ParallelLayout(1, 1), 1, dist.get_world_size())
-    sync = WeightSync(plan, dist.get_rank(), bucket_mb=args.bucket_mb, device=torch.device("cuda", 0))
-    shards, _ = make_shards(sync, "fp8", torch.device("cuda", 0))
+    device = torch.device("cuda", torch.cuda.current_device())
+    plan = SyncPlan(engine.bridge, recipe, ParallelLayout(args.train_tp, 1), args.rollout_tp, dist.get_world_size())
+    sync = WeightSync(plan, dist.get_rank(), bucket_mb=args.bucket_mb, device=device)
+    shards, _ = make_shards(sync, "fp8", device)
     in_place = path == "in_place"
     engine.sleep()  # as in the RL step: the engine sleeps (level 2) while the actor trains
     report = sync.sync(shards, engine, in_place=in_place)  # warm-up
@@ -218,33 +222,50 @@ def sync_child(args) -> dict:
     for _ in range(args.iters):
         engine.sleep()
         torch.cuda.synchronize()
+        dist.barrier()
         t0 = time.perf_counter()
         reports.append(sync.sync(shards, engine, in_place=in_place))
         if path == "reload":
             engine.wake()  # closes vLLM's layerwise update
         torch.cuda.synchronize()
-        totals.append(time.perf_counter() - t0)
+        took = torch.tensor([time.perf_counter() - t0], device=device)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the sync is done when its slowest rank is
+        totals.append(took.item())
     engine.wake()
-    copy_bw = copy_bandwidth(torch.device("cuda", 0))
+    copy_bw = copy_bandwidth(device)
     report = reports[-1]
     total = statistics.median(totals)
     engine.close()
-    return {"path": path, "total_s": total, "all_s": totals, "engine_gb": report.engine_bytes / 1e9,
+    return {"path": path, "train_tp": args.train_tp, "rollout_tp": args.rollout_tp, "gpus": dist.get_world_size(),
+            "total_s": total, "all_s": totals, "engine_gb": report.engine_bytes / 1e9,
             "in_place_tensors": report.in_place, "tensors": len(engine.weight_specs()),
             "phases_s": dict(report.seconds), "copy_gbps": copy_bw / 1e9,
             "floor_s": report.engine_bytes / copy_bw, "engine_start_s": start_s, "device": _device()}
 
 
-def run_child(kind: str, args, extra: list[str]) -> dict | None:
-    """Run this script as a child (one engine per process) and return its JSON, or None."""
-    out = Path(args.work) / f"{kind}_{extra[0]}.json"
+def sync_name(path: str, train_tp: int, rollout_tp: int) -> str:
+    """The result's name: the path alone at TP 1 -> 1 (the headline's), else with its layout."""
+    return path if (train_tp, rollout_tp) == (1, 1) else f"{path}_tp{train_tp}to{rollout_tp}"
+
+
+def run_child(kind: str, args, extra: list[str], *, name: str | None = None, gpus: int = 1) -> dict | None:
+    """Run this script as a child (one engine per process; ``gpus`` > 1: under torchrun, rank 0
+    writes the result) and return its JSON, or None."""
+    name = name or extra[0]
+    out = Path(args.work) / f"{kind}_{name}.json"
     env = {**os.environ, **_launch_env(args), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, __file__, "_child", kind, *extra, "--result", str(out), *_common(args)]
-    log = Path(args.work) / f"{kind}_{extra[0]}.log"
+    script = [__file__, "_child", kind, *extra, "--result", str(out), *_common(args)]
+    if gpus == 1:
+        cmd = [sys.executable, *script]
+    else:  # torchrun sets the ranks and the rendezvous
+        env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                         "MASTER_ADDR", "MASTER_PORT")}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *script]
+    log = Path(args.work) / f"{kind}_{name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-    print(f"{kind} {extra[0]}: rc={rc} in {time.perf_counter() - t0:.0f} s (log {log})", flush=True)
+    print(f"{kind} {name}: rc={rc} in {time.perf_counter() - t0:.0f} s (log {log})", flush=True)
     if rc != 0 or not out.is_file():
         print("\n".join(log.read_text(errors="replace").splitlines()[-40:]), flush=True)
         return json.loads(out.read_text()) if out.is_file() else None  # the cases that finished
@@ -294,7 +315,7 @@ def table(args) -> str:
     load = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
     decode = {m: load(work / f"decode_{m}.json") for m in MODES}
     decode = {m: d for m, d in decode.items() if d}
-    sync = {p: load(work / f"sync_{p}.json") for p in ("in_place", "update_weights", "reload")}
+    sync = {f.stem[len("sync_"):]: load(f) for f in sorted(work.glob("sync_*.json"))}
     sync = {p: s for p, s in sync.items() if s}
     step = load(work / "step.json") or {}
     lines, headline = [], {}
@@ -330,15 +351,18 @@ def table(args) -> str:
                 for cls, ms in sorted(p["classes_ms"].items(), key=lambda kv: -kv[1]):
                     lines.append(f"   {cls:<20} {ms:>8.1f} ms {100 * ms / total:>5.1f}%")
     if sync:
-        lines.append(f"\n== sync of the 8B FP8 model into vLLM (train TP 1 -> rollout TP 1), {device} ==")
-        lines.append(f"{'path':>15} {'total s':>9} {'engine GB':>10} {'GB/s':>7} {'floor s':>8} {'x floor':>8} "
-                     f"{'in place':>9}")
-        for p, s in sync.items():
-            lines.append(f"{p:>15} {s['total_s']:>9.4f} {s['engine_gb']:>10.2f} {s['engine_gb'] / s['total_s']:>7.0f} "
-                         f"{s['floor_s']:>8.4f} {s['total_s'] / s['floor_s']:>7.1f}x "
-                         f"{s['in_place_tensors']:>4}/{s['tensors']}")
-        best = min(sync.values(), key=lambda s: s["total_s"])
-        headline["vllm_sync_8b_s"] = best["total_s"]
+        lines.append(f"\n== sync of the 8B FP8 model into vLLM (train TP -> rollout TP; GB and floor per rank), "
+                     f"{device} ==")
+        lines.append(f"{'path':>15} {'TP':>6} {'total s':>9} {'engine GB':>10} {'GB/s':>7} {'floor s':>8} "
+                     f"{'x floor':>8} {'in place':>9}")
+        for s in sync.values():
+            tp = f"{s.get('train_tp', 1)}->{s.get('rollout_tp', 1)}"
+            lines.append(f"{s['path']:>15} {tp:>6} {s['total_s']:>9.4f} {s['engine_gb']:>10.2f} "
+                         f"{s['engine_gb'] / s['total_s']:>7.0f} {s['floor_s']:>8.4f} "
+                         f"{s['total_s'] / s['floor_s']:>7.1f}x {s['in_place_tensors']:>4}/{s['tensors']}")
+        single = [s for s in sync.values() if (s.get("train_tp", 1), s.get("rollout_tp", 1)) == (1, 1)]
+        if single:
+            headline["vllm_sync_8b_s"] = min(s["total_s"] for s in single)
     if step:
         lines.append("\n== RL step with vLLM rollout, Qwen3-8B layer shapes (6 layers), mean s over steps 2.. ==")
         phases = ("generate", "logprobs", "update", "sync", "step")
@@ -380,6 +404,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--fp8-gemm", default="cutlass", choices=["cutlass", "deep_gemm"])
     p.add_argument("--bucket-mb", type=float, default=1024)
+    p.add_argument("--train-tp", type=int, default=1, help="sync: the trainer's TP (GPUs: max of the two TPs)")
+    p.add_argument("--rollout-tp", type=int, default=1, help="sync: vLLM's TP")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--headline-case", default="256x4096")
@@ -398,9 +424,10 @@ def main(argv=None) -> int:
         else:
             args.path = value
             result = sync_child(args)
-        args.result.write_text(json.dumps(result, indent=1))
         import torch.distributed as dist
 
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            args.result.write_text(json.dumps(result, indent=1))
         if dist.is_initialized():
             dist.destroy_process_group()
         return 0
@@ -411,8 +438,13 @@ def main(argv=None) -> int:
         for mode in args.modes.split(","):
             run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else []))
     elif args.command == "sync":
+        gpus = max(args.train_tp, args.rollout_tp)
+        if gpus % min(args.train_tp, args.rollout_tp):
+            p.error(f"--train-tp {args.train_tp} / --rollout-tp {args.rollout_tp}: one must divide the other")
         for path in args.paths.split(","):
-            run_child("sync", args, [path, "--iters", str(args.iters), "--bucket-mb", str(args.bucket_mb)])
+            run_child("sync", args, [path, "--iters", str(args.iters), "--bucket-mb", str(args.bucket_mb),
+                                     "--train-tp", str(args.train_tp), "--rollout-tp", str(args.rollout_tp)],
+                      name=sync_name(path, args.train_tp, args.rollout_tp), gpus=gpus)
     elif args.command == "step":
         step_runs(args)
     else:

@@ -49,6 +49,9 @@ def test_table_ratios_and_headline(tmp_path):
     (work / "sync_reload.json").write_text(json.dumps(
         {"path": "reload", "total_s": 0.8, "engine_gb": 10.0, "floor_s": 0.1, "in_place_tensors": 0,
          "tensors": 6, "device": "GPU X"}))
+    (work / f"sync_{bench_vllm.sync_name('in_place', 2, 2)}.json").write_text(json.dumps(  # not the headline's
+        {"path": "in_place", "train_tp": 2, "rollout_tp": 2, "total_s": 0.05, "engine_gb": 5.0, "floor_s": 0.05,
+         "in_place_tensors": 5, "tensors": 6, "device": "GPU X"}))
     phases = {"generate": 2.0, "logprobs": 1.0, "update": 1.0, "sync": 0.1, "step": 4.0}
     (work / "step.json").write_text(json.dumps({
         "fp8": {"seconds": {**phases, "step": 3.2}, "tokens_per_s_per_gpu": 100.0},
@@ -61,6 +64,7 @@ def test_table_ratios_and_headline(tmp_path):
                    "rl_step_vllm_fp8_over_bf16": 1.25}
     assert json.loads(headline.read_text())["vllm_sync_8b_s"]["device"] == "GPU X"
     assert "cut off" not in text
+    assert "in_place   2->2    0.0500" in text and "in_place   1->1    0.2000" in text
 
 
 def test_table_marks_a_mode_cut_off_before_its_cases_finished(tmp_path):
