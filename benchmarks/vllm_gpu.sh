@@ -7,9 +7,11 @@
 #
 #   bash benchmarks/vllm_gpu.sh [--tests "engine engine-two rl"] [--decode bf16,fp8,fp8kv] [--cases 64x512,...]
 #                               [--profile] [--sync in_place,update_weights,reload] [--step] [--table]
-#                               [--fp8-gemm cutlass|deep_gemm]
+#                               [--fp8-gemm cutlass|deep_gemm] [--sync-tp "2:2 2:1"]
+# --sync-tp: train:rollout TP layouts for --sync (default 1:1; more than one GPU runs under torchrun).
 set -uo pipefail
 tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=cutlass
+sync_tp="1:1"
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift ;;
@@ -20,6 +22,7 @@ while [ $# -gt 0 ]; do
     --step) step=1 ;;
     --table) table=1 ;;
     --fp8-gemm) gemm="$2"; shift ;;
+    --sync-tp) sync_tp="$2"; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
   shift
@@ -57,7 +60,9 @@ done
 
 bench=(python3 benchmarks/bench_vllm.py --fp8-gemm "$gemm")
 [ -n "$decode" ] && { "${bench[@]}" decode --modes "$decode" --cases "$cases" $profile || rc=1; }
-[ -n "$sync" ] && { "${bench[@]}" sync --paths "$sync" || rc=1; }
+for layout in $sync_tp; do
+  [ -n "$sync" ] && { "${bench[@]}" sync --paths "$sync" --train-tp "${layout%:*}" --rollout-tp "${layout#*:}" || rc=1; }
+done
 [ $step -eq 1 ] && { "${bench[@]}" step || rc=1; }
 if [ $table -eq 1 ]; then
   mkdir -p /tmp/bench_vllm && cp docs/results/headline.json /tmp/bench_vllm/headline.json 2>/dev/null

@@ -6,12 +6,12 @@
 #   bash benchmarks/vllm_two_gpus.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
 #
 # First both GPUs: trainer TP=2 into vLLM at rollout TP 2 and 1 (tests/gpu/test_vllm_engine.py -k
-# two_gpus). Then two lanes side by side:
+# two_gpus) and the 8B sync at those layouts. Then two lanes side by side:
 #   GPU 0: the vLLM decode benchmark, BF16 / FP8 / FP8+FP8-KV one after another on this one GPU
 #          (the FP8-over-BF16 ratios compare runs of the same GPU), with kernel profiles;
 #   GPU 1: the one-GPU vLLM tests (engine, RL loop), then the sync and the RL-step benchmarks.
 # Last, the table (benchmarks/bench_vllm.py table) with the headline figures.
-# Override the lanes with LANE0_ARGS / LANE1_ARGS (vllm_gpu.sh arguments).
+# Override the phases with BOTH_ARGS / LANE0_ARGS / LANE1_ARGS (vllm_gpu.sh arguments).
 set -uo pipefail
 lanes=/tmp/lanes
 case "${1:-}" in
@@ -20,12 +20,13 @@ case "${1:-}" in
     # install and build once, in the foreground (both lanes would otherwise race for them)
     JETRL_VLLM_OUT=/tmp/vllm_gpu_out/setup bash benchmarks/vllm_gpu.sh || exit 1
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "vllm_two_gpus.sh needs 2 GPUs; use vllm_gpu.sh"; exit 1; }
+    both=${BOTH_ARGS:-'--tests engine-two --sync in_place --sync-tp "2:2 2:1"'}
     lane0=${LANE0_ARGS:-"--decode bf16,fp8,fp8kv --profile"}
     lane1=${LANE1_ARGS:-'--tests "engine rl" --sync in_place,update_weights,reload --step'}
     cat >$lanes/plan.sh <<EOF
 cd "$PWD"
 export PATH="$PATH" PYTHONPATH="${PYTHONPATH:-}" OUT=
-JETRL_VLLM_OUT=/tmp/vllm_gpu_out/both bash benchmarks/vllm_gpu.sh --tests engine-two >$lanes/both.log 2>&1
+JETRL_VLLM_OUT=/tmp/vllm_gpu_out/both bash benchmarks/vllm_gpu.sh $both >$lanes/both.log 2>&1
 ( CUDA_VISIBLE_DEVICES=0 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu0 bash benchmarks/vllm_gpu.sh \
     $lane0 >$lanes/gpu0.log 2>&1; echo "lane rc=\$?" >>$lanes/gpu0.log ) &
 ( CUDA_VISIBLE_DEVICES=1 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu1 bash benchmarks/vllm_gpu.sh \
