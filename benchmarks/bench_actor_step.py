@@ -105,7 +105,7 @@ def kernel_split(step) -> dict[str, float]:
     elementwise, other."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.profiling import by_class, kernel_ms
+    from megatron_jetrl.runtime.profiling import by_class, kernel_ms
 
     step()
     torch.cuda.synchronize()

@@ -53,11 +53,12 @@ MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_qu
     "fp8kv-tq": ("fp8", "fp8", "trainer"),
 }
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, DeepGEMM, FlashAttention 3, vLLM's ops
-    # FlashAttention 3 kernels are CUTLASS device kernels ("cutlass::device_kernel<flash::..."): first
+    # vLLM's KV-cache write is "reshape_and_cache_flash": first; FlashAttention 3 kernels are
+    # CUTLASS device kernels ("cutlass::device_kernel<flash::..."): before gemm
+    ("kv cache write", r"reshape_and_cache|cache_kernel"),
     ("attention", r"flash|fmha|attn|attention|paged"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|sm90_|deep_gemm|scaled_mm|splitk|cublas"),
     ("fp8 quant", r"quant|fp8|per_token_group"),
-    ("kv cache write", r"reshape_and_cache|cache_kernel"),
     ("norm / rope / act", r"norm|rotary|rope|silu|act_and_mul|gelu"),
     ("sampling", r"sampl|topk|top_k|softmax|argmax|gumbel|exponential|multinomial|sort|cumsum"),
 )
@@ -176,7 +177,7 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.profiling import by_class, kernel_ms
+    from megatron_jetrl.runtime.profiling import by_class, kernel_ms
     from megatron_jetrl.rollout import SamplingParams
 
     g = torch.Generator().manual_seed(1)
@@ -281,18 +282,29 @@ def _common(args) -> list[str]:
 # ------------------------------------------------------------------------------------------ RL step
 
 
+STEP_MODES = {  # name -> jetrl train overrides
+    "fp8": ["precision.mode=fp8"],
+    "bf16": ["precision.mode=bf16"],
+    "mixed": ["precision.mode=bf16-train+fp8-rollout"],  # the off-policy recipe, for its mismatch
+    "fp8-tq": ["precision.mode=fp8", "rollout.vllm.activation_quant=trainer"],
+}
+
+
 def step_runs(args) -> dict:
+    """``jetrl train`` at Qwen3-8B layer shapes with vLLM rollout, per mode of ``--step-modes``;
+    with ``--profile`` one more step, profiled (``run.profile_steps``) and left out of the means."""
     from benchmarks.rl_summary import summarise
 
     results = {}
-    for mode in ("fp8", "bf16"):
+    steps = args.step_steps + (1 if args.profile else 0)
+    for mode in args.step_modes.split(","):
         run_dir = Path(args.work) / f"step_{mode}"
         shutil.rmtree(run_dir, ignore_errors=True)
         cmd = [sys.executable, "-m", "megatron_jetrl.cli", "train", str(ROOT / "benchmarks/configs/qwen3_8b_dims.yaml"),
-               f"run.dir={run_dir}", f"precision.mode={mode}", "rollout.engine=vllm",
+               f"run.dir={run_dir}", *STEP_MODES[mode], "rollout.engine=vllm",
                f"rollout.vllm.gpu_memory_utilization={args.step_gpu_memory_utilization}",
-               f"rollout.vllm.fp8_gemm={args.fp8_gemm}", f"run.steps={args.step_steps}", "log.console=false",
-               "--skip-memory-check"]
+               f"rollout.vllm.fp8_gemm={args.fp8_gemm}", f"run.steps={steps}", "log.console=false",
+               *([f"run.profile_steps=[{steps}]"] if args.profile else []), "--skip-memory-check"]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         t0 = time.perf_counter()
         with open(Path(args.work) / f"step_{mode}.log", "w") as f:
@@ -302,7 +314,10 @@ def step_runs(args) -> dict:
         if rc != 0 or not metrics.is_file():
             print("\n".join((Path(args.work) / f"step_{mode}.log").read_text(errors="replace").splitlines()[-40:]))
             continue
-        results[mode] = summarise(metrics)
+        results[mode] = summarise(metrics, untimed=(steps,) if args.profile else ())
+        profile = run_dir / "profiles" / f"step_{steps}.json"
+        if profile.is_file():
+            results[mode]["profile"] = json.loads(profile.read_text())
     (Path(args.work) / "step.json").write_text(json.dumps(results, indent=1))
     return results
 
@@ -366,14 +381,22 @@ def table(args) -> str:
     if step:
         lines.append("\n== RL step with vLLM rollout, Qwen3-8B layer shapes (6 layers), mean s over steps 2.. ==")
         phases = ("generate", "logprobs", "update", "sync", "step")
-        lines.append(f"{'mode':>6} " + " ".join(f"{p:>9}" for p in phases) + f" {'tok/s/GPU':>10}")
+        lines.append(f"{'mode':>8} " + " ".join(f"{p:>9}" for p in phases) + f" {'tok/s/GPU':>10} {'k3 KL':>9}")
         for mode, r in step.items():
-            lines.append(f"{mode:>6} " + " ".join(f"{r['seconds'][p]:>9.3f}" for p in phases)
-                         + f" {r['tokens_per_s_per_gpu']:>10.0f}")
+            lines.append(f"{mode:>8} " + " ".join(f"{r['seconds'][p]:>9.3f}" for p in phases)
+                         + f" {r['tokens_per_s_per_gpu']:>10.0f} {r.get('k3_kl', float('nan')):>9.2e}")
         if {"fp8", "bf16"} <= set(step):
-            lines.append(f"{'bf16/fp8':>6} " + " ".join(
+            lines.append(f"{'bf16/fp8':>8} " + " ".join(
                 f"{step['bf16']['seconds'][p] / step['fp8']['seconds'][p]:>8.2f}x" for p in phases))
             headline["rl_step_vllm_fp8_over_bf16"] = step["bf16"]["seconds"]["step"] / step["fp8"]["seconds"]["step"]
+        for mode, r in step.items():
+            if "profile" in r:
+                prof = r["profile"]
+                lines.append(f"-- kernel time of step {prof['step']} ({mode}, profiled), ms by phase and class:")
+                for phase, ph in prof["phases"].items():
+                    top = ", ".join(f"{c} {ms:.0f}" for c, ms in list(ph["classes_ms"].items())[:5])
+                    lines.append(f"   {phase:<11} wall {ph['wall_s']:>7.3f} s, "
+                                 f"kernels {ph['kernel_ms']:>8.1f} ms: {top}")
     if args.headline and headline:
         from benchmarks.headline import update
 
@@ -401,6 +424,7 @@ def main(argv=None) -> int:
     p.add_argument("--step-gpu-memory-utilization", type=float, default=0.2)
     p.add_argument("--sync-gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--step-steps", type=int, default=4)
+    p.add_argument("--step-modes", default="fp8,bf16", help=f"step: of {', '.join(STEP_MODES)}")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--fp8-gemm", default="cutlass", choices=["cutlass", "deep_gemm"])
     p.add_argument("--bucket-mb", type=float, default=1024)
@@ -446,6 +470,9 @@ def main(argv=None) -> int:
                                      "--train-tp", str(args.train_tp), "--rollout-tp", str(args.rollout_tp)],
                       name=sync_name(path, args.train_tp, args.rollout_tp), gpus=gpus)
     elif args.command == "step":
+        unknown = [m for m in args.step_modes.split(",") if m not in STEP_MODES]
+        if unknown:
+            p.error(f"--step-modes: unknown {', '.join(unknown)}; choose from {', '.join(STEP_MODES)}")
         step_runs(args)
     else:
         print(table(args))

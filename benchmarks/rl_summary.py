@@ -34,15 +34,16 @@ def eval_points(rows: list[dict]) -> list[tuple[int, float]]:
     return [(r["step"], r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
 
 
-def summarise(path: Path) -> dict:
+def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
     """One run's numbers from its ``metrics.jsonl`` (shared by scale_summary.py and
     mismatch_study.py): train reward (first and last 10 steps), eval curve, mean mismatch,
-    response length and entropy, mean seconds per phase and tokens/s/GPU over steps 2.., tokens per
-    step, and the largest value of every ``memory/*`` metric. Missing metrics are NaN."""
+    response length and entropy, mean seconds per phase and tokens/s/GPU over steps 2.. (without
+    the ``untimed`` steps, e.g. profiled ones), tokens per step, and the largest value of every
+    ``memory/*`` metric. Missing metrics are NaN."""
     rows = read_rows(path)
     train = train_rows(rows)
     evals = eval_points(rows)
-    warm = train[1:] or train
+    warm = [r for r in train[1:] if r.get("step") not in untimed] or train
 
     def mean(key, rs):
         vals = [r[key] for r in rs if r.get(key) is not None]

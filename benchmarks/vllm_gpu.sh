@@ -9,9 +9,11 @@
 #                               [--profile] [--sync in_place,update_weights,reload] [--step] [--table]
 #                               [--fp8-gemm cutlass|deep_gemm] [--sync-tp "2:2 2:1"]
 # --sync-tp: train:rollout TP layouts for --sync (default 1:1; more than one GPU runs under torchrun).
+# --step-modes fp8,bf16,mixed,fp8-tq: the RL-step modes (implies --step); --profile also profiles
+# one more step of each (run.profile_steps).
 set -uo pipefail
 tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=cutlass
-sync_tp="1:1"
+sync_tp="1:1" step_modes="fp8,bf16"
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift ;;
@@ -23,6 +25,7 @@ while [ $# -gt 0 ]; do
     --table) table=1 ;;
     --fp8-gemm) gemm="$2"; shift ;;
     --sync-tp) sync_tp="$2"; shift ;;
+    --step-modes) step_modes="$2"; step=1; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
   shift
@@ -63,7 +66,7 @@ bench=(python3 benchmarks/bench_vllm.py --fp8-gemm "$gemm")
 for layout in $sync_tp; do
   [ -n "$sync" ] && { "${bench[@]}" sync --paths "$sync" --train-tp "${layout%:*}" --rollout-tp "${layout#*:}" || rc=1; }
 done
-[ $step -eq 1 ] && { "${bench[@]}" step || rc=1; }
+[ $step -eq 1 ] && { "${bench[@]}" step --step-modes "$step_modes" $profile || rc=1; }
 if [ $table -eq 1 ]; then
   mkdir -p /tmp/bench_vllm && cp docs/results/headline.json /tmp/bench_vllm/headline.json 2>/dev/null
   "${bench[@]}" table --headline /tmp/bench_vllm/headline.json

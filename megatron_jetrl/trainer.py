@@ -46,6 +46,7 @@ from megatron_jetrl.runtime.checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.console import ConsoleView
 from megatron_jetrl.runtime.memory import PhaseMemory
 from megatron_jetrl.runtime.metrics import MetricsLogger
+from megatron_jetrl.runtime.profiling import StepProfiler
 from megatron_jetrl.runtime.rng import load_rng, save_rng
 from megatron_jetrl.runtime.signals import EXIT_PREEMPTED, PreemptionSignal, any_rank
 from megatron_jetrl.runtime.timing import PhaseTimer
@@ -82,6 +83,8 @@ class Trainer:
         self.console = ConsoleView(job.run.steps, enabled=self.rank == 0 and job.log.console)
         self.timer = PhaseTimer(sync=torch.cuda.synchronize if self.device.type == "cuda" else None)
         self.memory = PhaseMemory(self.device)
+        self.profiler = StepProfiler(job.run.profile_steps if self.rank == 0 else (), self.device)
+        """Rank 0's kernels stand for the step's (the other ranks run unprofiled)."""
         self.warmup = Warmup(job, resolved, data, run_dir, actor_cls=actor_cls, console=self.console)
         self.step = 0
         self.actor = None
@@ -106,6 +109,7 @@ class Trainer:
                 return self._stop(preemption, saved=False)
             while self.step < self.job.run.steps:
                 metrics = self.train_step()
+                self._write_profile()
                 if self.job.run.eval_every and self.step % self.job.run.eval_every == 0:
                     metrics.update(self.evaluate())
                 self.metrics.log(self.step, metrics)
@@ -369,10 +373,16 @@ class Trainer:
 
     @contextlib.contextmanager
     def _phase(self, name: str):
-        """Time a phase of the step (CUDA-synchronised), show it in the console view, and record
-        the GPU memory it peaked at."""
-        with self.timer.phase(name), self.console.phase(name), self.memory.track(name):
+        """Time a phase of the step (CUDA-synchronised), show it in the console view, record the
+        GPU memory it peaked at, and its kernels in a profiled step (``run.profile_steps``)."""
+        with self.timer.phase(name), self.console.phase(name), self.memory.track(name), \
+                self.profiler.phase(self.step, name):
             yield
+
+    def _write_profile(self) -> None:
+        path = self.profiler.write(self.step, self.run_dir)
+        if path is not None:
+            self.console.log(f"step {self.step}: kernel time per phase -> {path}")
 
     def _seed(self, round_: int) -> int:
         """The sampling seed of this step's round: a function of run.seed, step, round and replica."""

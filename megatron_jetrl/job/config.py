@@ -41,7 +41,9 @@ class RunSettings:
     ``resume``: continue from the newest complete checkpoint in ``dir`` (false: refuse to start
     when ``dir`` already has checkpoints, so nothing is overwritten). ``save_every`` 0 saves only
     at the end and on preemption; ``save_at_end`` false skips the final checkpoint (benchmarks:
-    a large model's checkpoint takes minutes and disk); ``eval_every`` 0 never evaluates."""
+    a large model's checkpoint takes minutes and disk); ``eval_every`` 0 never evaluates.
+    ``profile_steps``: steps whose phases run under the GPU profiler, each written to
+    ``dir/profiles/step_<N>.json`` (kernel time per phase by class; ``runtime/profiling.py``)."""
 
     dir: str
     steps: int
@@ -51,6 +53,7 @@ class RunSettings:
     eval_every: int = 0
     resume: bool = True
     save_at_end: bool = True
+    profile_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.save_at_end, bool):
@@ -61,6 +64,10 @@ class RunSettings:
         check_integer("run.save_every", self.save_every, minimum=0)
         check_integer("run.keep_last", self.keep_last, minimum=1)
         check_integer("run.eval_every", self.eval_every, minimum=0)
+        for i, step in enumerate(self.profile_steps):
+            check_integer(f"run.profile_steps[{i}]", step, minimum=1)
+            if step > self.steps:
+                raise ConfigError(f"run.profile_steps[{i}]", step, f"is after the last step (run.steps={self.steps})")
 
 
 def _config_json(value: str) -> Path:

@@ -175,6 +175,18 @@ def test_loop_runs_logs_and_checkpoints(tmp_path, process_group):
     assert (tmp_path / "a" / "sft" / "metrics.jsonl").is_file()
 
 
+def test_a_profiled_step_writes_its_phases(tmp_path, process_group):
+    """``run.profile_steps``: the chosen step's phases go to profiles/step_<N>.json (on a CPU
+    device their wall seconds only: there are no kernels to time)."""
+    assert _run(tmp_path / "p", "run.profile_steps=[2]") == 0
+    assert sorted(p.name for p in (tmp_path / "p" / "profiles").iterdir()) == ["step_2.json"]
+    profile = json.loads((tmp_path / "p" / "profiles" / "step_2.json").read_text())
+    assert profile["step"] == 2 and profile["device"] == "cpu"
+    assert set(profile["phases"]) == {"generate", "score", "advantages", "logprobs", "update", "sync"}
+    for phase in profile["phases"].values():
+        assert phase["wall_s"] > 0 and phase["kernel_ms"] == 0 and phase["classes_ms"] == {}
+
+
 def test_signal_stops_with_a_checkpoint_and_rerun_continues_exactly(tmp_path, process_group):
     assert _run(tmp_path / "whole") == 0
     want = _rows(tmp_path / "whole")

@@ -53,8 +53,10 @@ def test_table_ratios_and_headline(tmp_path):
         {"path": "in_place", "train_tp": 2, "rollout_tp": 2, "total_s": 0.05, "engine_gb": 5.0, "floor_s": 0.05,
          "in_place_tensors": 5, "tensors": 6, "device": "GPU X"}))
     phases = {"generate": 2.0, "logprobs": 1.0, "update": 1.0, "sync": 0.1, "step": 4.0}
+    profile = {"step": 5, "device": "GPU X", "phases": {"generate": {
+        "wall_s": 2.5, "kernel_ms": 900.0, "classes_ms": {"gemm": 500.0, "attention": 400.0}, "top_kernels_ms": {}}}}
     (work / "step.json").write_text(json.dumps({
-        "fp8": {"seconds": {**phases, "step": 3.2}, "tokens_per_s_per_gpu": 100.0},
+        "fp8": {"seconds": {**phases, "step": 3.2}, "tokens_per_s_per_gpu": 100.0, "profile": profile},
         "bf16": {"seconds": phases, "tokens_per_s_per_gpu": 80.0}}))
     headline = tmp_path / "headline.json"
     text = _table(work, headline)
@@ -65,6 +67,7 @@ def test_table_ratios_and_headline(tmp_path):
     assert json.loads(headline.read_text())["vllm_sync_8b_s"]["device"] == "GPU X"
     assert "cut off" not in text
     assert "in_place   2->2    0.0500" in text and "in_place   1->1    0.2000" in text
+    assert "kernel time of step 5 (fp8, profiled)" in text and "kernels    900.0 ms: gemm 500, attention 400" in text
 
 
 def test_table_marks_a_mode_cut_off_before_its_cases_finished(tmp_path):
@@ -118,7 +121,7 @@ def test_kernel_time_by_class():
     from types import SimpleNamespace
 
     from benchmarks.bench_vllm import KERNEL_CLASSES
-    from benchmarks.profiling import by_class, kernel_ms
+    from megatron_jetrl.runtime.profiling import by_class, kernel_ms
 
     events = [SimpleNamespace(key=k, device_time_total=us) for k, us in (
         ("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>", 2000.0), ("nvjet_sm90_tst_192x128", 5000.0),
@@ -129,3 +132,16 @@ def test_kernel_time_by_class():
                        "triton_poi_fused_silu": 0.3, "some_kernel": 0.1}
     assert by_class(kernels, KERNEL_CLASSES) == {"attention": 2.0, "gemm": 5.0, "norm / rope / act": 0.3,
                                                  "other": 0.1}
+
+
+def test_step_modes_are_valid_jobs_and_unknown_ones_refused(capsys):
+    from megatron_jetrl.job import load_job, resolve
+
+    for mode, overrides in bench_vllm.STEP_MODES.items():
+        job = load_job(ROOT / "benchmarks/configs/qwen3_8b_dims.yaml",
+                       [*overrides, "rollout.engine=vllm", "run.steps=5", "run.profile_steps=[5]"])
+        resolve(job, 1)
+        assert job.run.profile_steps == (5,), mode
+    with pytest.raises(SystemExit):
+        bench_vllm.main(["step", "--step-modes", "fp8,fp9"])
+    assert "--step-modes: unknown fp9" in capsys.readouterr().err

@@ -196,3 +196,13 @@ def test_choice_fields_are_checked_by_their_annotation_in_code_and_in_the_loader
                       (lambda: OverlongSettings(mode="hard"), "data.overlong.mode")):
         with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: got .*must be"):
             make()
+
+
+def test_profile_steps_must_be_steps_of_the_run():
+    from megatron_jetrl.job.config import RunSettings
+
+    assert RunSettings(dir="r", steps=5, profile_steps=(2, 5)).profile_steps == (2, 5)
+    with pytest.raises(ConfigError, match=r"run\.profile_steps\[1\].*after the last step \(run\.steps=5\)"):
+        RunSettings(dir="r", steps=5, profile_steps=(2, 6))
+    with pytest.raises(ConfigError, match=r"run\.profile_steps\[0\]"):
+        RunSettings(dir="r", steps=5, profile_steps=(0,))

@@ -1,0 +1,44 @@
+"""runtime/profiling.py on the CPU: the kernel classes of a profiled step, and what a profiled step
+records (on a CPU device, wall seconds per phase; the kernels need a GPU, tests/gpu)."""
+
+import json
+import time
+
+import torch
+
+from megatron_jetrl.runtime.profiling import STEP_KERNEL_CLASSES, StepProfiler, by_class
+
+
+def test_step_kernel_classes_cover_the_engine_and_the_trainer():
+    names = {
+        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<": "attention",
+        "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "gemm",
+        "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::Mai": "gemm",
+        "void jetrl::quantize_1x128_kernel<__nv_bfloat16>(": "fp8 quantization",
+        "void vllm::per_token_group_quant_8bit_kernel<c10::BFloat16, c10::Float8_e4m3fn": "fp8 quantization",
+        "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::": "kv cache write",
+        "triton_red_fused_argmax_div_exponential_0": "sampling",
+        "void vllm::rms_norm_kernel<c10::BFloat16, 8, 4>(": "norm / rope / activation",
+        "void jetrl::copy_segments_kernel(": "copies",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::": "elementwise",
+        "some_other_kernel": "other",
+    }
+    for name, want in names.items():
+        assert by_class({name: 1.0}, STEP_KERNEL_CLASSES) == {want: 1.0}, name
+
+
+def test_a_chosen_step_records_its_phases_and_others_nothing(tmp_path):
+    profiler = StepProfiler((2,), torch.device("cpu"))
+    with profiler.phase(1, "generate"):
+        pass
+    assert profiler.write(1, tmp_path) is None and not (tmp_path / "profiles").exists()
+    for _ in range(2):  # dynamic sampling's second round adds to the first
+        with profiler.phase(2, "generate"):
+            time.sleep(0.01)
+    with profiler.phase(2, "update"):
+        pass
+    path = profiler.write(2, tmp_path)
+    data = json.loads(path.read_text())
+    assert path == tmp_path / "profiles" / "step_2.json" and data["device"] == "cpu"
+    assert list(data["phases"]) == ["generate", "update"] and data["phases"]["generate"]["wall_s"] >= 0.02
+    assert profiler.write(2, tmp_path / "again") is None  # written once, then forgotten
