@@ -7,7 +7,8 @@
 ``--model`` qwen3-8b (default; ``--layers`` of its 36) or qwen3-4b (36 layers, hidden 2560, tied
 embeddings, real vocab). The table states the LM head's share of the linear FLOPs (BF16 in every
 mode: a shallow model gives it far more than a real one). ``--profile`` adds a kernel-time split of
-one step per mode (GEMMs / FP8 quantization / attention / elementwise / other); ``--headline PATH``
+one step per mode (GEMMs / FP8 quantization / attention / elementwise / other); ``--find-syncs``
+lists where one step waits for the GPU from the host, by source line; ``--headline PATH``
 writes actor_step_fp8_over_bf16 and logprob_fp8_over_bf16 (benchmarks/headline.py).
 
 Random weights (megatron's init), no checkpoint. One step = ``Actor.update``: forward + backward
@@ -81,6 +82,7 @@ def run_mode(mode: str, args, bridge) -> dict:
     logprob_s = timed(lambda: actor.compute_logprobs(batch), args.steps)
     peak = torch.cuda.max_memory_allocated()
     profile = kernel_split(lambda: actor.update(batch, ppo_clip_loss)) if args.profile else None
+    syncs = host_syncs(lambda: actor.update(batch, ppo_clip_loss)) if args.find_syncs else None
     actor.close()
     gc.collect()
     torch.cuda.empty_cache()
@@ -89,7 +91,29 @@ def run_mode(mode: str, args, bridge) -> dict:
     world = dist.get_world_size()
     return {"mode": mode, "step_s": step_s, "logprob_s": logprob_s, "tokens": tokens,
             "step_tok_s_gpu": tokens / step_s / world, "logprob_tok_s_gpu": tokens / logprob_s / world,
-            "peak_gib": peak / 2**30, "profile_ms": profile}
+            "peak_gib": peak / 2**30, "profile_ms": profile, "host_syncs": syncs}
+
+
+def host_syncs(step) -> dict[str, int]:
+    """Where one ``step()`` waits for the GPU from the host: torch's sync debug mode warns at each
+    synchronizing CUDA call; counted by the Python line that made it (most first)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    root = str(Path(__file__).resolve().parents[1]) + os.sep
+    where: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{w.filename.replace(root, '')}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    return dict(sorted(where.items(), key=lambda kv: -kv[1]))
 
 
 KERNEL_CLASSES = (  # first match wins: FA3 kernels are CUTLASS kernels, FP8 GEMMs name e4m3
@@ -129,6 +153,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--headline", type=Path)
+    ap.add_argument("--find-syncs", action="store_true",
+                    help="list where one step synchronizes the host with the GPU (torch's sync debug mode)")
     args = ap.parse_args()
     if args.layers is None:
         args.layers = 12 if args.model == "qwen3-8b" else 36
@@ -153,6 +179,11 @@ def main() -> int:
                 split = ", ".join(f"{c} {ms:.0f} ms ({100 * ms / total:.0f}%)"
                                   for c, ms in sorted(r["profile_ms"].items(), key=lambda kv: -kv[1]))
                 print(f"kernel time of one step, {r['mode']}: {total:.0f} ms = {split}")
+        for r in rows:
+            if r["host_syncs"] is not None:
+                print(f"host synchronizations in one step, {r['mode']}: {sum(r['host_syncs'].values())}")
+                for where, n in list(r["host_syncs"].items())[:15]:
+                    print(f"  {n:>5}  {where}")
         by = {r["mode"]: r for r in rows}
         if "bf16" in by and "fp8" in by:
             step_x, lp_x = by["bf16"]["step_s"] / by["fp8"]["step_s"], by["bf16"]["logprob_s"] / by["fp8"]["logprob_s"]
