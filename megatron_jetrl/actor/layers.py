@@ -4,6 +4,12 @@
   [s, s] score matrix and rejects packed sequences. It runs causal attention per sequence of a
   packed ``thd`` batch: flash attention varlen (``torch.nn.attention.varlen``) on CUDA in
   BF16/FP16, and a per-sequence ``scaled_dot_product_attention`` otherwise (the reference).
+- RoPE over packed sequences without a host sync: megatron's unfused ``thd`` RoPE reads the
+  sequence lengths to the host (``.tolist()``) at every call, twice a layer, and the CPU waits
+  for the GPU each time. ``apply_rotary_pos_emb_packed`` gathers the same frequency rows by each
+  token's position in its sequence, computed on the GPU; the values are megatron's, bit for bit.
+  megatron's attention calls its module-level ``apply_rotary_pos_emb``, so the spec points that
+  name at this function (``use_sync_free_packed_rope``); every other case goes to megatron's.
 - ``Fp8ColumnParallelLinear`` / ``Fp8RowParallelLinear`` replace qkv, proj, fc1 and fc2 in the
   ``fp8`` precision mode. They keep megatron's parameters, sharding and checkpoint keys and change
   only the GEMMs: ``fp8_block_linear`` (FProp, DGrad and WGrad in FP8, 128x128 weight blocks,
@@ -22,6 +28,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import megatron.core.transformer.attention as megatron_attention
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as megatron_apply_rotary_pos_emb
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
@@ -36,6 +44,11 @@ from torch.nn.attention import varlen
 from megatron_jetrl.precision import Fp8Quantizer, Fp8Weight, Fp8WeightCache, fp8_block_linear
 from megatron_jetrl.precision.kv_cache import KvAmaxObserver
 from megatron_jetrl.precision.gemm import GemmBackend
+
+try:  # megatron's RoPE on [s, b, h, d], private: a megatron without it keeps its own thd path
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+except ImportError:  # pragma: no cover - megatron-core 0.16 has it
+    _apply_rotary_pos_emb_bshd = None
 
 _VARLEN_PARAMS = inspect.signature(varlen.varlen_attn).parameters
 _VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
@@ -61,6 +74,39 @@ def packed_causal_attention(
         cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
         return varlen.varlen_attn(q_THD, k, v, cu, cu, max_seqlen, max_seqlen, scale=scale, **_VARLEN_CAUSAL, **gqa)
     return reference_packed_causal_attention(q_THD, k_THD, v_THD, cu_seqlens, scale)
+
+
+def packed_positions(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each packed token's position in its own sequence ([T] int64), computed where ``cu_seqlens``
+    lives, without reading it on the host."""
+    index = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    sequence = torch.searchsorted(cu_seqlens[1:], index, right=True)
+    return (index - cu_seqlens[:-1][sequence]).long()
+
+
+def apply_rotary_pos_emb_packed(t, freqs, config, cu_seqlens=None, mscale: float = 1.0, cp_group=None):
+    """megatron's ``apply_rotary_pos_emb`` (same signature and values) whose unfused ``thd`` case
+    (t [T, H, D], freqs [max_s, 1, 1, D]) gathers each token's frequency row instead of splitting
+    the batch by host-read lengths. Rows as megatron picks them: the token's position in its
+    sequence, or its index in the batch when ``freqs`` covers the whole batch. Fused RoPE, context
+    parallelism and the non-packed case are megatron's own."""
+    if cu_seqlens is None or config.apply_rope_fusion or cp_group is None or cp_group.size() != 1:
+        return megatron_apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
+                                             cp_group=cp_group)
+    tokens = t.shape[0]
+    if freqs.size(0) == tokens:
+        rows = torch.arange(tokens, device=freqs.device)
+    else:
+        rows = packed_positions(cu_seqlens.to(freqs.device), tokens).to(freqs.device)
+    return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[rows], rotary_interleaved=config.rotary_interleaved,
+                                      multi_latent_attention=config.multi_latent_attention, mscale=mscale).squeeze(1)
+
+
+def use_sync_free_packed_rope() -> None:
+    """Point megatron's attention at ``apply_rotary_pos_emb_packed`` (idempotent; a megatron
+    without the private helper it needs keeps its own)."""
+    if _apply_rotary_pos_emb_bshd is not None:
+        megatron_attention.apply_rotary_pos_emb = apply_rotary_pos_emb_packed
 
 
 def reference_packed_causal_attention(q_THD, k_THD, v_THD, cu_seqlens, scale):
@@ -181,8 +227,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def local_layer_spec(*, qk_layernorm: bool, fp8: bool) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with ``PackedCoreAttention``, ``RMSNorm`` and, with
-    ``fp8``, the FP8 parallel linears."""
+    """megatron-core's local GPT layer spec with ``PackedCoreAttention``, ``RMSNorm``, the sync-free
+    packed RoPE and, with ``fp8``, the FP8 parallel linears."""
+    use_sync_free_packed_rope()
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     attn = spec.submodules.self_attention.submodules
     mlp = spec.submodules.mlp.submodules
