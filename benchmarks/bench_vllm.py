@@ -328,7 +328,8 @@ def step_runs(args) -> dict:
 def table(args) -> str:
     work = Path(args.work)
     load = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
-    decode = {m: load(work / f"decode_{m}.json") for m in MODES}
+    names = [m for mode in MODES for m in (mode, f"{mode}-deep_gemm") if m != "bf16-deep_gemm"]
+    decode = {m: load(work / f"decode_{m}.json") for m in names}  # FP8 modes with DeepGEMM: their own columns
     decode = {m: d for m, d in decode.items() if d}
     sync = {f.stem[len("sync_"):]: load(f) for f in sorted(work.glob("sync_*.json"))}
     sync = {p: s for p, s in sync.items() if s}
@@ -460,7 +461,9 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
         for mode in args.modes.split(","):
-            run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else []))
+            name = mode if args.fp8_gemm == "cutlass" or mode == "bf16" else f"{mode}-{args.fp8_gemm}"
+            run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else []),
+                      name=name)
     elif args.command == "sync":
         gpus = max(args.train_tp, args.rollout_tp)
         if gpus % min(args.train_tp, args.rollout_tp):
