@@ -82,7 +82,7 @@ def _launch_env(args) -> dict[str, str]:
 
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            **engine_env(PrecisionRecipe(), VllmOptions(fp8_gemm=args.fp8_gemm), args.layers)}
+            **engine_env(PrecisionRecipe(), VllmOptions(fp8_gemm=args.fp8_gemm))}
 
 
 def _engine(mode: str, args, **overrides):

@@ -228,7 +228,7 @@ def backend_env(job: JobConfig, resolved: Resolved) -> dict[str, str]:
     if job.rollout.engine == "vllm":
         from megatron_jetrl.rollout.vllm_engine import engine_env
 
-        env.update(engine_env(job.precision, job.rollout.vllm, layers))
+        env.update(engine_env(job.precision, job.rollout.vllm))
     return env
 
 

@@ -172,7 +172,7 @@ class VllmOptions:
         check_integer(f"{k}.seed", self.seed)
 
 
-def engine_env(recipe: PrecisionRecipe, options: VllmOptions, num_layers: int) -> dict[str, str]:
+def engine_env(recipe: PrecisionRecipe, options: VllmOptions) -> dict[str, str]:
     """Environment variables vLLM must see (it reads them at import or first use, so the launcher
     sets them before the process imports vLLM): the recipe's scale format for DeepGEMM and the
     FP8 GEMM choice."""
@@ -291,7 +291,7 @@ class VllmEngine:
         config = dict(hf_config)
         self.bridge = bridge_for(config)
         self.recipe, self.options = recipe, options
-        check_environment(engine_env(recipe, options, self.bridge.dims.num_layers))
+        check_environment(engine_env(recipe, options))
         vllm = require_vllm()
         self._vllm = vllm
         self._llm = None

@@ -258,7 +258,7 @@ def test_direct_writes_equal_vllms_own_loaders(arch, recipe_name, tmp_path):
 
 
 def set_engine_env(monkeypatch):
-    for var, value in engine_env(PrecisionRecipe(), VllmOptions(), 2).items():
+    for var, value in engine_env(PrecisionRecipe(), VllmOptions()).items():
         monkeypatch.setenv(var, value)
 
 

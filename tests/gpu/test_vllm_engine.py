@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu, requires_vllm]
 
 
 def _run(tmp_path_factory, scenario: str, nproc: int = 1) -> dict:
-    for var, value in engine_env(PrecisionRecipe(), VllmOptions(), 4).items():
+    for var, value in engine_env(PrecisionRecipe(), VllmOptions()).items():
         os.environ[var] = value  # the launcher's part: vLLM reads these at import
     data = _launch(tmp_path_factory.mktemp(scenario), nproc, scenario, worker=WORKER)
     _ok(data, scenario)

@@ -44,10 +44,10 @@ def test_recipe_environment_keeps_fp32_scales():
 
 
 def test_engine_environment_names_the_fp8_gemm():
-    assert engine_env(PrecisionRecipe(), VllmOptions(), 2) == {"VLLM_USE_DEEP_GEMM_E8M0": "0",
+    assert engine_env(PrecisionRecipe(), VllmOptions()) == {"VLLM_USE_DEEP_GEMM_E8M0": "0",
                                                                 "VLLM_USE_DEEP_GEMM": "0"}
-    assert engine_env(PrecisionRecipe(), VllmOptions(fp8_gemm="deep_gemm"), 2)["VLLM_USE_DEEP_GEMM"] == "1"
-    assert engine_env(PrecisionRecipe(mode=PrecisionMode.BF16), VllmOptions(), 2) == {}
+    assert engine_env(PrecisionRecipe(), VllmOptions(fp8_gemm="deep_gemm"))["VLLM_USE_DEEP_GEMM"] == "1"
+    assert engine_env(PrecisionRecipe(mode=PrecisionMode.BF16), VllmOptions()) == {}
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.28.1", "0.32.0", "0.32.1rc1"])
@@ -101,7 +101,7 @@ def test_missing_vllm_says_how_to_install_it(monkeypatch):
     _no_vllm(monkeypatch)
     with pytest.raises(ConfigError, match=r"pip install 'megatron-jetrl\[vllm\]'"):
         require_vllm()
-    for var, value in engine_env(PrecisionRecipe(), VllmOptions(), 2).items():
+    for var, value in engine_env(PrecisionRecipe(), VllmOptions()).items():
         monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=r"pip install 'megatron-jetrl\[vllm\]'"):
         VllmEngine(tiny_hf_model("Qwen3ForCausalLM").config.to_dict(), PrecisionRecipe())
