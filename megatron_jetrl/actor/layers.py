@@ -97,7 +97,7 @@ def apply_rotary_pos_emb_packed(t, freqs, config, cu_seqlens=None, mscale: float
     if freqs.size(0) == tokens:
         rows = torch.arange(tokens, device=freqs.device)
     else:
-        rows = packed_positions(cu_seqlens.to(freqs.device), tokens).to(freqs.device)
+        rows = packed_positions(cu_seqlens.to(freqs.device), tokens)
     return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[rows], rotary_interleaved=config.rotary_interleaved,
                                       multi_latent_attention=config.multi_latent_attention, mscale=mscale).squeeze(1)
 
