@@ -9,7 +9,9 @@ Prints one table per section, all measured in this one run on one device:
      micro-batches), and the speedup of each.
   3. Quantization kernels: GB/s (bytes read + written) against a device-to-device copy's GB/s.
 
-Usage (GPU host):  python benchmarks/bench_fp8_linear.py [--tokens 16384] [--json out.json]
+Usage (GPU host):  python benchmarks/bench_fp8_linear.py [--tokens 16384] [--json out.json] [--headline PATH]
+``--headline`` writes linear_fp8_over_bf16 (a whole layer's linears, fwd+bwd incl. quantization, weight
+cached as in a step's micro-batches) into docs/results/headline.json's format (benchmarks/headline.py).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
-from megatron_jetrl.ops import NativeQuantizer, quantize_1x128, quantize_128x128
-from megatron_jetrl.precision import Fp8WeightCache, fp8_block_linear, fp8_gemm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_jetrl.ops import NativeQuantizer, quantize_1x128, quantize_128x128  # noqa: E402
+from megatron_jetrl.precision import Fp8WeightCache, fp8_block_linear, fp8_gemm  # noqa: E402
 
 SHAPES = {  # name: (in_features K, out_features N), Qwen3-8B
     "qkv": (4096, 6144),
@@ -214,6 +219,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write all numbers to this JSON file")
     parser.add_argument("--profile", default="gate+up", choices=[*SHAPES, "none"],
                         help="shape whose FP8 linear step is broken down per kernel (default gate+up)")
+    parser.add_argument("--headline", help="write linear_fp8_over_bf16 into this headline JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_fp8_linear: needs a CUDA GPU (Hopper for FP8 GEMMs)", file=sys.stderr)
@@ -243,6 +249,12 @@ def main(argv=None) -> int:
     for r in [*linears, total]:
         print(f"{r['shape']:<8} {r['bf16_ms']:7.3f} {r['fp8_ms_weight_quant']:7.3f} {r['fp8_ms_weight_cached']:7.3f} "
               f"{r['speedup_weight_quant']:10.2f}x {r['speedup_weight_cached']:7.2f}x")
+
+    if args.headline:
+        from benchmarks.headline import update
+
+        update(args.headline, {"linear_fp8_over_bf16": total["speedup_weight_cached"]}, device=device,
+               command=f"python benchmarks/bench_fp8_linear.py --tokens {args.tokens}")
 
     copy, quants = quant_section(args.tokens)
     print(f"\n== Quantization kernels (device copy: {copy:.0f} GB/s read+write) ==")

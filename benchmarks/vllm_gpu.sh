@@ -11,9 +11,13 @@
 # --sync-tp: train:rollout TP layouts for --sync (default 1:1; more than one GPU runs under torchrun).
 # --step-modes fp8,bf16,mixed,fp8-tq: the RL-step modes (implies --step); --profile also profiles
 # one more step of each (run.profile_steps).
+# --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
+# ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM), or a test file.
+# --actor "ARGS": the actor-step benchmark (issue 16; ARGS are bench_actor_step.py's), torchrun on one
+# GPU; repeatable. --linear: the FP8 linear benchmark, its headline key into /tmp/bench_vllm/headline_linear.json.
 set -uo pipefail
 tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=cutlass
-sync_tp="1:1" step_modes="fp8,bf16"
+sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift ;;
@@ -26,6 +30,8 @@ while [ $# -gt 0 ]; do
     --fp8-gemm) gemm="$2"; shift ;;
     --sync-tp) sync_tp="$2"; shift ;;
     --step-modes) step_modes="$2"; step=1; shift ;;
+    --actor) actor+=("$2"); shift ;;
+    --linear) linear=1 ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
   shift
@@ -48,11 +54,13 @@ rc=0
 for t in $tests; do
   case "$t" in
     engine) f=tests/gpu/test_vllm_engine.py; k="not two_gpus" ;;
+    engine-mismatch) f=tests/gpu/test_vllm_engine.py; k="logprobs_match or kv_cache_takes" ;;
+    engine-rest) f=tests/gpu/test_vllm_engine.py; k="not two_gpus and not logprobs_match and not kv_cache_takes" ;;
     engine-two) f=tests/gpu/test_vllm_engine.py; k="two_gpus" ;;
     rl) f=tests/gpu/test_rl_loop.py; k="vllm" ;;
     *) f=$t; k="" ;;
   esac
-  t0=$(date +%s) name=$(basename "$t" .py)
+  t0=$(date +%s) name=$(basename "$t" .py); [ "$t" = "${t#engine-}" ] || name=$t
   python3 -X faulthandler -m pytest -v -s --tb=short -m gpu "$f" ${k:+-k "$k"} -p no:cacheprovider \
     >"$out/test_$name.log" 2>&1
   r=$?; [ $r -eq 0 ] || rc=$r
@@ -60,6 +68,24 @@ for t in $tests; do
   grep -E "^(FAILED|ERROR)|Fatal Python error|^E  " "$out/test_$name.log" | head -30
 done
 [ -d "$out/rl" ] && python3 benchmarks/rl_summary.py "$out"/rl/*.metrics.jsonl --json "$out/rl_summary.json"
+
+if [ $linear -eq 1 ]; then
+  t0=$(date +%s)
+  mkdir -p /tmp/bench_vllm
+  python3 benchmarks/bench_fp8_linear.py --json "$out/bench_fp8_linear.json" \
+    --headline /tmp/bench_vllm/headline_linear.json >"$out/bench_fp8_linear.log" 2>&1
+  r=$?; [ $r -eq 0 ] || rc=$r
+  echo "linear: rc=$r in $(( $(date +%s) - t0 )) s"; grep -v -i warn "$out/bench_fp8_linear.log" | tail -30
+fi
+for i in "${!actor[@]}"; do
+  t0=$(date +%s)
+  # shellcheck disable=SC2086  # the arguments are words
+  torchrun --standalone --nproc-per-node=1 benchmarks/bench_actor_step.py ${actor[$i]} \
+    --json "$out/actor_$i.json" >"$out/actor_$i.log" 2>&1
+  r=$?; [ $r -eq 0 ] || rc=$r
+  echo "actor ${actor[$i]}: rc=$r in $(( $(date +%s) - t0 )) s"
+  grep -v -i -E "warn|^W[0-9]|\*\*\*|^\[rank|^\[bench" "$out/actor_$i.log" | tail -40
+done
 
 bench=(python3 benchmarks/bench_vllm.py --fp8-gemm "$gemm")
 [ -n "$decode" ] && { "${bench[@]}" decode --modes "$decode" --cases "$cases" $profile || rc=1; }

@@ -11,7 +11,8 @@
 #          (the FP8-over-BF16 ratios compare runs of the same GPU), with kernel profiles;
 #   GPU 1: the one-GPU vLLM tests (engine, RL loop), then the sync and the RL-step benchmarks.
 # Last, the table (benchmarks/bench_vllm.py table) with the headline figures.
-# Override the phases with BOTH_ARGS / LANE0_ARGS / LANE1_ARGS (vllm_gpu.sh arguments).
+# Override the phases with BOTH_ARGS / LANE0_ARGS / LANE1_ARGS (vllm_gpu.sh arguments; " ;; " between
+# two sets runs vllm_gpu.sh once per set, in that order, so a lane's own order is kept).
 set -uo pipefail
 lanes=/tmp/lanes
 case "${1:-}" in
@@ -23,15 +24,22 @@ case "${1:-}" in
     both=${BOTH_ARGS:-'--tests engine-two --sync in_place --sync-tp "2:2 2:1"'}
     lane0=${LANE0_ARGS:-"--decode bf16,fp8,fp8kv --profile"}
     lane1=${LANE1_ARGS:-'--tests "engine rl" --sync in_place,update_weights,reload --step'}
+    lane() {  # GPU, arguments with " ;; " between runs: one vllm_gpu.sh line per run
+      echo "${2// ;; /$'\n'}" | while IFS= read -r run; do
+        echo "CUDA_VISIBLE_DEVICES=$1 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu$1 bash benchmarks/vllm_gpu.sh $run" \
+          ">>$lanes/gpu$1.log 2>&1 || rc=1"
+      done
+    }
     cat >$lanes/plan.sh <<EOF
 cd "$PWD"
 export PATH="$PATH" PYTHONPATH="${PYTHONPATH:-}" OUT=
 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/both bash benchmarks/vllm_gpu.sh $both >$lanes/both.log 2>&1
-( CUDA_VISIBLE_DEVICES=0 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu0 bash benchmarks/vllm_gpu.sh \
-    $lane0 >$lanes/gpu0.log 2>&1; echo "lane rc=\$?" >>$lanes/gpu0.log ) &
-( CUDA_VISIBLE_DEVICES=1 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu1 bash benchmarks/vllm_gpu.sh \
-    $lane1 >$lanes/gpu1.log 2>&1
-  echo "lane rc=\$?" >>$lanes/gpu1.log ) &
+( rc=0
+$(lane 0 "$lane0")
+  echo "lane rc=\$rc" >>$lanes/gpu0.log ) &
+( rc=0
+$(lane 1 "$lane1")
+  echo "lane rc=\$rc" >>$lanes/gpu1.log ) &
 wait
 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/table bash benchmarks/vllm_gpu.sh --table >$lanes/table.log 2>&1
 touch $lanes/done
