@@ -82,6 +82,7 @@ def run_mode(mode: str, args, bridge) -> dict:
     logprob_s = timed(lambda: actor.compute_logprobs(batch), args.steps)
     peak = torch.cuda.max_memory_allocated()
     profile = kernel_split(lambda: actor.update(batch, ppo_clip_loss)) if args.profile else None
+    lp_profile = kernel_split(lambda: actor.compute_logprobs(batch)) if args.profile else None
     syncs = host_syncs(lambda: actor.update(batch, ppo_clip_loss)) if args.find_syncs else None
     actor.close()
     gc.collect()
@@ -91,7 +92,9 @@ def run_mode(mode: str, args, bridge) -> dict:
     world = dist.get_world_size()
     return {"mode": mode, "step_s": step_s, "logprob_s": logprob_s, "tokens": tokens,
             "step_tok_s_gpu": tokens / step_s / world, "logprob_tok_s_gpu": tokens / logprob_s / world,
-            "peak_gib": peak / 2**30, "profile_ms": profile, "host_syncs": syncs}
+            "peak_gib": peak / 2**30, "profile_ms": profile and profile["classes"],
+            "top_kernels_ms": profile and profile["top"], "logprob_profile_ms": lp_profile and lp_profile["classes"],
+            "logprob_top_kernels_ms": lp_profile and lp_profile["top"], "host_syncs": syncs}
 
 
 def host_syncs(step) -> dict[str, int]:
@@ -124,9 +127,9 @@ KERNEL_CLASSES = (  # first match wins: FA3 kernels are CUTLASS kernels, FP8 GEM
 )
 
 
-def kernel_split(step) -> dict[str, float]:
-    """GPU kernel time (ms) of one ``step()`` by class: GEMMs, FP8 quantization, attention,
-    elementwise, other."""
+def kernel_split(step) -> dict[str, dict[str, float]]:
+    """GPU kernel time (ms) of one ``step()``: ``classes`` (GEMMs, FP8 quantization, attention,
+    elementwise, other) and ``top`` (the 25 longest kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_jetrl.runtime.profiling import by_class, kernel_ms
@@ -136,7 +139,9 @@ def kernel_split(step) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    return by_class(kernel_ms(prof), KERNEL_CLASSES)
+    kernels = kernel_ms(prof)
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
+    return {"classes": by_class(kernels, KERNEL_CLASSES), "top": top}
 
 
 def main() -> int:
@@ -173,12 +178,16 @@ def main() -> int:
         for r in rows:
             print(f"{r['mode']:6} {r['step_s']:8.3f} {r['step_tok_s_gpu']:10.0f} {r['logprob_s']:10.3f} "
                   f"{r['logprob_tok_s_gpu']:10.0f} {r['peak_gib']:9.1f}")
+        for what, key in (("one step", "profile_ms"), ("one logprob pass", "logprob_profile_ms")):
+            for r in rows:
+                if r[key]:
+                    total = sum(r[key].values())
+                    split = ", ".join(f"{c} {ms:.0f} ms ({100 * ms / total:.0f}%)"
+                                      for c, ms in sorted(r[key].items(), key=lambda kv: -kv[1]))
+                    print(f"kernel time of {what}, {r['mode']}: {total:.0f} ms = {split}")
         for r in rows:
-            if r["profile_ms"]:
-                total = sum(r["profile_ms"].values())
-                split = ", ".join(f"{c} {ms:.0f} ms ({100 * ms / total:.0f}%)"
-                                  for c, ms in sorted(r["profile_ms"].items(), key=lambda kv: -kv[1]))
-                print(f"kernel time of one step, {r['mode']}: {total:.0f} ms = {split}")
+            for name, ms in list((r["top_kernels_ms"] or {}).items())[:12]:
+                print(f"  {r['mode']:5} {ms:8.1f} ms  {name}")
         for r in rows:
             if r["host_syncs"] is not None:
                 print(f"host synchronizations in one step, {r['mode']}: {sum(r['host_syncs'].values())}")
