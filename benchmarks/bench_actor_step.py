@@ -186,8 +186,8 @@ def main() -> int:
                                       for c, ms in sorted(r[key].items(), key=lambda kv: -kv[1]))
                     print(f"kernel time of {what}, {r['mode']}: {total:.0f} ms = {split}")
         for r in rows:
-            for name, ms in list((r["top_kernels_ms"] or {}).items())[:12]:
-                print(f"  {r['mode']:5} {ms:8.1f} ms  {name}")
+            for kernel, ms in list((r["top_kernels_ms"] or {}).items())[:12]:
+                print(f"  {r['mode']:5} {ms:8.1f} ms  {kernel}")
         for r in rows:
             if r["host_syncs"] is not None:
                 print(f"host synchronizations in one step, {r['mode']}: {sum(r['host_syncs'].values())}")

@@ -2,7 +2,7 @@
 vLLM, and a whole RL step with vLLM rollout. One table, printed last; the headline ratios go to
 docs/results/headline.json.
 
-    python benchmarks/bench_vllm.py decode --modes bf16,fp8,fp8kv[,fp8-tq,fp8kv-tq] [--cases 64x512,...]
+    python benchmarks/bench_vllm.py decode --modes bf16,fp8,fp8kv[,fp8-vq,fp8kv-vq] [--cases 64x512,...]
     python benchmarks/bench_vllm.py sync [--train-tp 2 --rollout-tp 2]  # 8B FP8 shards -> vLLM, each path
     python benchmarks/bench_vllm.py step                 # jetrl train, Qwen3-8B layer shapes, FP8 and BF16
     python benchmarks/bench_vllm.py table [--headline docs/results/headline.json]
@@ -46,11 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_quant)
-    "bf16": ("bf16", "auto", "vllm"),
-    "fp8": ("fp8", "auto", "vllm"),
-    "fp8kv": ("fp8", "fp8", "vllm"),
-    "fp8-tq": ("fp8", "auto", "trainer"),  # the trainer's activation quantization inside vLLM
-    "fp8kv-tq": ("fp8", "fp8", "trainer"),
+    "bf16": ("bf16", "auto", "trainer"),
+    "fp8": ("fp8", "auto", "trainer"),  # the default: the trainer's activation quantization inside vLLM
+    "fp8kv": ("fp8", "fp8", "trainer"),
+    "fp8-vq": ("fp8", "auto", "vllm"),  # vLLM's own activation quantization (and its fusions)
+    "fp8kv-vq": ("fp8", "fp8", "vllm"),
 }
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, DeepGEMM, FlashAttention 3, vLLM's ops
     # vLLM's KV-cache write is "reshape_and_cache_flash": first; FlashAttention 3 kernels are
@@ -286,7 +286,7 @@ STEP_MODES = {  # name -> jetrl train overrides
     "fp8": ["precision.mode=fp8"],
     "bf16": ["precision.mode=bf16"],
     "mixed": ["precision.mode=bf16-train+fp8-rollout"],  # the off-policy recipe, for its mismatch
-    "fp8-tq": ["precision.mode=fp8", "rollout.vllm.activation_quant=trainer"],
+    "fp8-vq": ["precision.mode=fp8", "rollout.vllm.activation_quant=vllm"],  # vLLM's own quantization
 }
 
 

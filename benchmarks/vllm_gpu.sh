@@ -9,7 +9,7 @@
 #                               [--profile] [--sync in_place,update_weights,reload] [--step] [--table]
 #                               [--fp8-gemm cutlass|deep_gemm] [--sync-tp "2:2 2:1"]
 # --sync-tp: train:rollout TP layouts for --sync (default 1:1; more than one GPU runs under torchrun).
-# --step-modes fp8,bf16,mixed,fp8-tq: the RL-step modes (implies --step); --profile also profiles
+# --step-modes fp8,bf16,mixed,fp8-vq: the RL-step modes (implies --step); --profile also profiles
 # one more step of each (run.profile_steps).
 # --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
 # ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM), or a test file.

@@ -11,7 +11,8 @@
 #          (the FP8-over-BF16 ratios compare runs of the same GPU), with kernel profiles;
 #   GPU 1: the one-GPU vLLM tests (engine, RL loop), then the sync and the RL-step benchmarks.
 # Last, the table (benchmarks/bench_vllm.py table) with the headline figures.
-# Override the phases with BOTH_ARGS / LANE0_ARGS / LANE1_ARGS (vllm_gpu.sh arguments; " ;; " between
+# The lanes share the host: each is pinned to half of the CPU cores (taskset), since a host-bound
+# benchmark in one lane slows down while the other compiles. Override the phases with BOTH_ARGS / LANE0_ARGS / LANE1_ARGS (vllm_gpu.sh arguments; " ;; " between
 # two sets runs vllm_gpu.sh once per set, in that order, so a lane's own order is kept).
 set -uo pipefail
 lanes=/tmp/lanes
@@ -24,9 +25,15 @@ case "${1:-}" in
     both=${BOTH_ARGS:-'--tests engine-two --sync in_place --sync-tp "2:2 2:1"'}
     lane0=${LANE0_ARGS:-"--decode bf16,fp8,fp8kv --profile"}
     lane1=${LANE1_ARGS:-'--tests "engine rl" --sync in_place,update_weights,reload --step'}
+    # Each lane gets its own half of the CPU cores: a host-bound phase (vLLM's scheduler, the RL
+    # step's generate) timed on one GPU while the other lane compiles vLLM on every core measured
+    # 1.4x slower (2026-11-25: the step's fp8 row, re-labelled in docs/benchmarks.md).
+    half=$(( $(nproc) / 2 ))
     lane() {  # GPU, arguments with " ;; " between runs: one vllm_gpu.sh line per run
+      local cpus=""
+      command -v taskset >/dev/null && cpus="taskset -c $(( $1 * half ))-$(( $1 * half + half - 1 ))"
       echo "${2// ;; /$'\n'}" | while IFS= read -r run; do
-        echo "CUDA_VISIBLE_DEVICES=$1 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu$1 bash benchmarks/vllm_gpu.sh $run" \
+        echo "CUDA_VISIBLE_DEVICES=$1 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu$1 $cpus bash benchmarks/vllm_gpu.sh $run" \
           ">>$lanes/gpu$1.log 2>&1 || rc=1"
       done
     }

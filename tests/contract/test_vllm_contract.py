@@ -504,9 +504,11 @@ def test_trainer_activation_quant_replaces_vllms_in_every_fp8_linear(tmp_path, m
     assert (their_q.view(torch.uint8) != want_q.view(torch.uint8)).any()
 
 
-def test_trainer_activation_quant_is_off_by_default_and_for_bf16(tmp_path):
+def test_trainer_activation_quant_is_the_default_and_off_for_vllm_and_bf16(tmp_path):
     model_dir = write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt")
     default = cpu_vllm_config(model_dir, PrecisionRecipe())
-    assert default.compilation_config.pass_config.fuse_norm_quant is not False  # vLLM decides
+    assert default.compilation_config.pass_config.fuse_norm_quant is False  # the trainer's quantization
+    own = cpu_vllm_config(model_dir, PrecisionRecipe(), VllmOptions(activation_quant="vllm"))
+    assert own.compilation_config.pass_config.fuse_norm_quant is not False  # vLLM decides
     bf16 = cpu_vllm_config(model_dir, PrecisionRecipe(mode=PrecisionMode.BF16), VllmOptions(activation_quant="trainer"))
     assert bf16.quant_config is None

@@ -41,7 +41,7 @@ def fp8(tmp_path_factory):
 def mismatch(tmp_path_factory, fp8):
     out = {"fp8 (compiled, CUDA graphs)": fp8["mismatch_before"]}
     for scenario in ("mismatch_fp8", "mismatch_bf16", "mismatch_mixed", "mismatch_fp16", "mismatch_fp8kv",
-                     "mismatch_fp8_trainer_quant", "mismatch_fp8_trainer_quant_compiled"):
+                     "mismatch_fp8_vllm_quant", "mismatch_fp8_vllm_quant_compiled"):
         out.update({k.split("/", 1)[1]: v for k, v in _run(tmp_path_factory, scenario).items()
                     if k.startswith("mismatch/")})
     return out
@@ -84,14 +84,14 @@ def test_level2_sleep_frees_the_gpu_without_host_copies(fp8):
 
 def test_engine_logprobs_match_the_trainer_per_mode(mismatch):
     modes = {"fp8", "fp8 (compiled, CUDA graphs)", "bf16", "bf16-train+fp8-rollout", "fp16", "fp8+fp8kv",
-             "fp8 trainer-quant", "fp8 trainer-quant (compiled, CUDA graphs)"}
+             "fp8 vllm-quant", "fp8 vllm-quant (compiled, CUDA graphs)"}
     assert set(mismatch) == modes, set(mismatch)
     print(json.dumps(mismatch, indent=1))
     for mode, r in mismatch.items():
         assert r["tokens"] > 500 and r["k3_kl"] >= 0, (mode, r)
     mixed = mismatch["bf16-train+fp8-rollout"]
-    for fp8 in (mismatch["fp8"], mismatch["fp8 (compiled, CUDA graphs)"], mismatch["fp8 trainer-quant"],
-                mismatch["fp8 trainer-quant (compiled, CUDA graphs)"]):
+    for fp8 in (mismatch["fp8"], mismatch["fp8 (compiled, CUDA graphs)"], mismatch["fp8 vllm-quant"],
+                mismatch["fp8 vllm-quant (compiled, CUDA graphs)"]):
         assert fp8["mean_abs_dlogp"] < mixed["mean_abs_dlogp"], mismatch
         assert fp8["k3_kl"] < 0.5 * mixed["k3_kl"], mismatch
     assert mismatch["fp16"]["mean_abs_dlogp"] <= 2 * mismatch["bf16"]["mean_abs_dlogp"] + 1e-4, mismatch

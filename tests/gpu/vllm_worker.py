@@ -21,8 +21,8 @@ In both, every live tensor (norms and embeddings too) also hashes equal to what 
 - mismatch_<mode>: engine-vs-trainer logprob mismatch for fp8, bf16, bf16-train+fp8-rollout and fp16
   (all eager, so alike);
   mismatch_fp8kv: unified FP8 with an FP8 KV cache whose q/k/v scales the trainer measured;
-  mismatch_fp8_trainer_quant[_compiled]: unified FP8 with the trainer's activation quantization
-  inside vLLM (``activation_quant=trainer``), eager and compiled.
+  mismatch_fp8_vllm_quant[_compiled]: unified FP8 with vLLM's own activation quantization
+  (``activation_quant=vllm``; the default is the trainer's), eager and compiled.
 """
 
 from __future__ import annotations
@@ -330,13 +330,13 @@ class Scenarios(SyncScenarios):
     def mismatch_fp8kv(self):
         self._mismatch_mode("fp8", kv_cache_dtype="fp8")
 
-    def mismatch_fp8_trainer_quant(self):
-        """Unified FP8 with the trainer's activation quantization inside vLLM, eager and compiled
-        (CUDA graphs + torch.compile, its norm/activation+quant fusions off)."""
-        self._mismatch_mode("fp8", " trainer-quant", activation_quant="trainer")
+    def mismatch_fp8_vllm_quant(self):
+        """Unified FP8 with vLLM's own activation quantization (its kernels and rule, and under
+        torch.compile its norm/activation+quant fusions), eager and compiled."""
+        self._mismatch_mode("fp8", " vllm-quant", activation_quant="vllm")
 
-    def mismatch_fp8_trainer_quant_compiled(self):
-        self._mismatch_mode("fp8", " trainer-quant (compiled, CUDA graphs)", activation_quant="trainer",
+    def mismatch_fp8_vllm_quant_compiled(self):
+        self._mismatch_mode("fp8", " vllm-quant (compiled, CUDA graphs)", activation_quant="vllm",
                             enforce_eager=False, cuda_graph_max_batch=64)
 
 

@@ -73,7 +73,10 @@ def test_llm_kwargs_carry_the_recipe():
     assert (kw["distributed_executor_backend"], kw["load_format"], kw["logprobs_mode"]) == (
         "external_launcher", "dummy", "raw_logprobs")
     assert kw["enable_sleep_mode"] and kw["skip_tokenizer_init"] and kw["tensor_parallel_size"] == 2
-    assert kw["kv_cache_dtype"] == "fp8" and "compilation_config" not in kw
+    assert kw["kv_cache_dtype"] == "fp8"  # the trainer's quantization (default): vLLM's fusions off
+    assert kw["compilation_config"] == {"pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False}}
+    own = llm_kwargs("/ckpt", config, recipe, VllmOptions(activation_quant="vllm"))
+    assert "compilation_config" not in own
     assert kw["max_model_len"] == bridge_for(config).dims.max_position_embeddings  # when the job sets none
     bf16 = llm_kwargs("/ckpt", config, PrecisionRecipe(mode=PrecisionMode.BF16),
                       VllmOptions(max_model_len=96, cuda_graph_max_batch=20))
