@@ -93,7 +93,8 @@ def run_mode(mode: str, args, bridge) -> dict:
     return {"mode": mode, "step_s": step_s, "logprob_s": logprob_s, "tokens": tokens,
             "step_tok_s_gpu": tokens / step_s / world, "logprob_tok_s_gpu": tokens / logprob_s / world,
             "peak_gib": peak / 2**30, "profile_ms": profile and profile["classes"],
-            "top_kernels_ms": profile and profile["top"], "logprob_profile_ms": lp_profile and lp_profile["classes"],
+            "top_kernels_ms": profile and profile["top"], "top_ops_ms": profile and profile["ops"],
+            "logprob_profile_ms": lp_profile and lp_profile["classes"],
             "logprob_top_kernels_ms": lp_profile and lp_profile["top"], "host_syncs": syncs}
 
 
@@ -129,19 +130,23 @@ KERNEL_CLASSES = (  # first match wins: FA3 kernels are CUTLASS kernels, FP8 GEM
 
 def kernel_split(step) -> dict[str, dict[str, float]]:
     """GPU kernel time (ms) of one ``step()``: ``classes`` (GEMMs, FP8 quantization, attention,
-    elementwise, other) and ``top`` (the 25 longest kernels)."""
+    elementwise, other), ``top`` (the 25 longest kernels) and ``ops`` (the 25 torch operators whose
+    own kernels took longest: which ``aten::`` call launched the elementwise kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_jetrl.runtime.profiling import by_class, kernel_ms
 
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     kernels = kernel_ms(prof)
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
-    return {"classes": by_class(kernels, KERNEL_CLASSES), "top": top}
+    ops = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
+           if e.key.startswith("aten::") and getattr(e, "self_device_time_total", 0) > 0}
+    ops = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:25])
+    return {"classes": by_class(kernels, KERNEL_CLASSES), "top": top, "ops": ops}
 
 
 def main() -> int:
@@ -188,6 +193,8 @@ def main() -> int:
         for r in rows:
             for kernel, ms in list((r["top_kernels_ms"] or {}).items())[:12]:
                 print(f"  {r['mode']:5} {ms:8.1f} ms  {kernel}")
+            for op, ms in list((r["top_ops_ms"] or {}).items())[:15]:
+                print(f"  {r['mode']:5} {ms:8.1f} ms  {op} (its own kernels)")
         for r in rows:
             if r["host_syncs"] is not None:
                 print(f"host synchronizations in one step, {r['mode']}: {sum(r['host_syncs'].values())}")

@@ -91,9 +91,13 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             g = torch.zeros_like(p)
             if d_logp is not None:
                 g -= p * d_logp[a:b, None]
+                # + d_logp at each row's label column, on the rank that holds it; without selecting
+                # the rows (a nonzero() would make the host wait for the GPU): the other rows add 0.0
+                # to a column of their own, which leaves it bit for bit as it is (g is never -0.0).
                 labels = labels_T[a:b]
-                rows = torch.nonzero((labels >= vocab_start) & (labels < vocab_start + real)).squeeze(1)
-                g[rows, labels[rows] - vocab_start] += d_logp[a:b][rows]
+                local = (labels >= vocab_start) & (labels < vocab_start + real)
+                idx = (labels - vocab_start).clamp(0, max(real - 1, 0))
+                g.scatter_add_(1, idx[:, None], torch.where(local, d_logp[a:b], 0.0)[:, None])
             if ctx.with_entropy and d_entropy is not None:
                 g += p * (sum_pz[a:b, None] - z) * d_entropy[a:b, None]
             grad_TV[a:b] = g.to(grad_TV.dtype)

@@ -36,9 +36,12 @@ STEP_KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, FlashAtte
 
 def kernel_ms(prof) -> dict[str, float]:
     """Device milliseconds per kernel name (first 90 characters) of a finished ``torch.profiler``
-    profile, without CUDA-graph launches, memcpys and memsets."""
+    profile, without CUDA-graph launches, memcpys and memsets; a profile that also recorded CPU
+    activity contributes its kernels only (not the device time its operators add up)."""
     kernels: dict[str, float] = {}
     for e in prof.key_averages():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU:
+            continue
         us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         if us > 0 and not e.key.startswith("cudaGraph") and "Memcpy" not in e.key and "Memset" not in e.key:
             kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + us / 1e3

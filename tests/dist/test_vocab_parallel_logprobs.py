@@ -3,6 +3,7 @@ process, values and gradients, with the padded vocab tail split across ranks."""
 
 import os
 
+import pytest
 import torch
 from megatron_jetrl.launch import free_port
 from tests.helpers import run_ranks
@@ -55,3 +56,33 @@ def test_tp2_logprobs_entropy_and_grads_equal_full_vocab():
         torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
         width = V_PADDED // TP
         torch.testing.assert_close(grad, full.grad[:, rank * width:(rank + 1) * width], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_without_a_host_sync_is_bitwise_the_row_selecting_one(dtype):
+    """The backward adds d_logp at the label column by a masked scatter, not by selecting the rows
+    that hold their label (nonzero() syncs the host with the GPU): the same bits, labels of other
+    ranks and padded vocabulary rows included."""
+    from megatron_jetrl.actor.logprobs import _masked_fp32, vocab_parallel_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    T, width, vocab_start, vocab_size = 37, 128, 128, 200  # this rank: columns 128..255, 72 real
+    logits = (torch.randn(T, width, generator=g) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab_size, (T,), generator=g)
+    d_logp = torch.randn(T, generator=g)
+    lp, _ = vocab_parallel_logprobs(logits, labels, vocab_start=vocab_start, vocab_size=vocab_size)
+    lp.backward(d_logp)
+
+    real = vocab_size - vocab_start
+    zm = _masked_fp32(logits.detach(), real, float("-inf"))  # the forward's lse, its own way
+    m = zm.max(dim=-1).values
+    lse = m + torch.log(torch.exp(zm - m[:, None]).sum(dim=-1))
+    z = _masked_fp32(logits.detach(), real, 0.0)
+    p = torch.exp(z - lse[:, None])
+    p[:, real:] = 0.0
+    want = torch.zeros_like(p)
+    want -= p * d_logp[:, None]
+    rows = torch.nonzero((labels >= vocab_start) & (labels < vocab_start + real)).squeeze(1)
+    want[rows, labels[rows] - vocab_start] += d_logp[rows]
+    assert 0 < len(rows) < T
+    assert torch.equal(logits.grad, want.to(dtype))

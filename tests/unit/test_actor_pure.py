@@ -166,3 +166,29 @@ def test_packed_attention_reference_equals_masked_softmax():
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     ref = torch.einsum("hts,shd->thd", probs, vv)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sync_free_grad_norm_is_the_l2_norm_and_replaces_only_megatrons_fallback(monkeypatch):
+    """megatron's clipping without apex/TE reads every parameter's norm to the host; the actor points
+    it at a foreach norm that stays on the device (same value up to fp32 summation order)."""
+    pytest.importorskip("megatron.core")
+    import megatron.core.optimizer.clip_grads as clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    from megatron_jetrl.actor.model import foreach_l2_norm, use_sync_free_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((1000, 1e-3), (37, 5.0), (4096, 0.2))]
+    norm, none = foreach_l2_norm(2048 * 32, torch.zeros(1, dtype=torch.int), [grads], False)
+    assert none is None and norm.shape == (1,) and norm.dtype == torch.float32
+    torch.testing.assert_close(norm[0], torch.linalg.vector_norm(torch.cat(grads)), rtol=1e-6, atol=0)
+    with pytest.raises(NotImplementedError, match="per-tensor"):
+        foreach_l2_norm(2048 * 32, None, [grads], True)
+
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm)
+    use_sync_free_grad_norm()
+    assert clip_grads.l2_norm_impl is foreach_l2_norm
+    apex_like = object()
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", apex_like)
+    use_sync_free_grad_norm()
+    assert clip_grads.l2_norm_impl is apex_like

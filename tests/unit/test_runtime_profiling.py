@@ -42,3 +42,17 @@ def test_a_chosen_step_records_its_phases_and_others_nothing(tmp_path):
     assert path == tmp_path / "profiles" / "step_2.json" and data["device"] == "cpu"
     assert list(data["phases"]) == ["generate", "update"] and data["phases"]["generate"]["wall_s"] >= 0.02
     assert profiler.write(2, tmp_path / "again") is None  # written once, then forgotten
+
+
+def test_kernel_ms_counts_kernels_not_the_operators_that_launched_them():
+    from types import SimpleNamespace
+
+    from megatron_jetrl.runtime.profiling import kernel_ms
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = [SimpleNamespace(key="aten::mul", device_type=cpu, device_time_total=500.0),  # its kernels' time
+              SimpleNamespace(key="vectorized_elementwise_kernel<mul>", device_type=cuda, device_time_total=500.0),
+              SimpleNamespace(key="Memcpy DtoD", device_type=cuda, device_time_total=90.0),
+              SimpleNamespace(key="cudaGraphLaunch", device_type=cuda, device_time_total=70.0)]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    assert kernel_ms(prof) == {"vectorized_elementwise_kernel<mul>": 0.5}
