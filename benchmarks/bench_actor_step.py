@@ -1,6 +1,8 @@
-"""Actor training-step time, FP8 (native backend) vs BF16, for a model with Qwen3 shapes.
+"""Actor training-step time, FP8 vs BF16, for a model with Qwen3 shapes.
 
     torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py --layers 12
+    NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py \
+        --layers 12 --modes bf16,fp8,fp8-te                       # + Transformer Engine's FP8 (te backend)
     torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py --model qwen3-4b --profile   # all 36 layers
     torchrun --nproc-per-node 2 benchmarks/bench_actor_step.py --layers 12 --tp 2
 
@@ -9,7 +11,8 @@ embeddings, real vocab). The table states the LM head's share of the linear FLOP
 mode: a shallow model gives it far more than a real one). ``--profile`` adds a kernel-time split of
 one step per mode (GEMMs / FP8 quantization / attention / elementwise / other); ``--find-syncs``
 lists where one step waits for the GPU from the host, by source line; ``--headline PATH``
-writes actor_step_fp8_over_bf16 and logprob_fp8_over_bf16 (benchmarks/headline.py).
+writes actor_step_fp8_over_bf16 and logprob_fp8_over_bf16 (and actor_step_te_fp8_over_bf16 with
+fp8-te; benchmarks/headline.py).
 
 Random weights (megatron's init), no checkpoint. One step = ``Actor.update``: forward + backward
 over packed micro-batches, DistributedOptimizer step (fp32 Adam, clipping), FP8 re-quantization.
@@ -63,11 +66,19 @@ def timed(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+MODES = {"bf16": ("bf16", "native"), "fp8": ("fp8", "native"), "fp8-te": ("fp8", "te")}
+"""--modes: name -> (precision.mode, actor.fp8_backend). fp8-te is Transformer Engine's layer spec; TE
+must be imported with the recipe's environment: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 torchrun ..."""
+
+
 def run_mode(mode: str, args, bridge) -> dict:
+    if mode not in MODES:
+        raise SystemExit(f"bench_actor_step: --modes {mode!r}: one of {', '.join(MODES)}")
+    precision, backend = MODES[mode]
     settings = ActorSettings(
         parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
-        precision=PrecisionRecipe(mode=mode), max_tokens_per_microbatch=args.mb_tokens,
-        optimizer=OptimizerSettings(lr=1e-6),
+        precision=PrecisionRecipe(mode=precision), max_tokens_per_microbatch=args.mb_tokens,
+        optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend,
     )
     actor = Actor(bridge, settings)
     log(f"{mode}: built")
@@ -159,7 +170,7 @@ def main() -> int:
     ap.add_argument("--mb-tokens", type=int, default=8192)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--modes", default="bf16,fp8")
+    ap.add_argument("--modes", default="bf16,fp8", help=f"of {', '.join(MODES)}")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--headline", type=Path)
@@ -204,10 +215,15 @@ def main() -> int:
         if "bf16" in by and "fp8" in by:
             step_x, lp_x = by["bf16"]["step_s"] / by["fp8"]["step_s"], by["bf16"]["logprob_s"] / by["fp8"]["logprob_s"]
             print(f"FP8 / BF16 speed-up: step {step_x:.2f}x, logprob pass {lp_x:.2f}x")
+            headline = {"actor_step_fp8_over_bf16": step_x, "logprob_fp8_over_bf16": lp_x}
+            if "fp8-te" in by:
+                te_x = by["bf16"]["step_s"] / by["fp8-te"]["step_s"]
+                print(f"Transformer Engine FP8 / BF16 speed-up: step {te_x:.2f}x")
+                headline["actor_step_te_fp8_over_bf16"] = te_x
             if args.headline:
                 from benchmarks.headline import update
 
-                update(args.headline, {"actor_step_fp8_over_bf16": step_x, "logprob_fp8_over_bf16": lp_x},
+                update(args.headline, headline,
                        device=name, command="torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py "
                        f"--model {args.model} --layers {args.layers}")
         if args.json:

@@ -216,8 +216,10 @@ class Actor:
         computing in FP8 -- the very bytes the next forward reads. What the weight sync sends."""
         if self._memory.offloaded:
             raise RuntimeError("the actor is offloaded; call onload() before syncing weights")
-        return {name: Shard(param, fp8.fprop if fp8 is not None else None)
-                for name, (param, fp8) in model_lib.named_shards(self.gpt).items()}
+        te = self.settings.fp8_backend == "te"
+        shards = model_lib.named_shards(self.gpt, self.settings.precision if te else None,
+                                        self.bridge.dims.num_layers if te else None)
+        return {name: Shard(param, fp8) for name, (param, fp8) in shards.items()}
 
     def offload(self) -> OffloadReport:
         """Move parameters and optimizer state to pinned CPU memory and free gradients and FP8

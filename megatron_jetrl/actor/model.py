@@ -11,7 +11,8 @@ Precision modes (``PrecisionRecipe.mode``):
   ``fp8_recipe="blockwise"`` (megatron enters TE's autocast per layer, honouring the first/last
   BF16 layers). TE reads ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` when it is imported, so the
   launcher must set ``recipe.te_settings(...).env`` before anything imports TE; this module checks
-  it and refuses otherwise. Not run on this project's GPU host (no TE there).
+  it and refuses otherwise. The weight sync reads TE's own FP8 bytes of each linear
+  (``te_fp8_weight``). Not yet run on this project's GPU host (TE is being brought there).
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
 from megatron_jetrl.ops import NativeQuantizer
-from megatron_jetrl.precision import Fp8Weight, PrecisionMode, resolve_gemm_backend, scaled_mm_supported
+from megatron_jetrl.precision import (
+    WEIGHT_BLOCK,
+    Fp8Tensor,
+    PrecisionMode,
+    PrecisionRecipe,
+    resolve_gemm_backend,
+    scaled_mm_supported,
+)
 
 ONE_YEAR_OF_STEPS = 10**9
 """decay_steps of a constant schedule (megatron's scheduler wants a positive horizon)."""
@@ -133,15 +141,23 @@ def configure_fp8_linears(model: GPTModel, settings: ActorSettings, num_layers: 
     return n_fp8
 
 
-def named_shards(model: GPTModel) -> dict[str, tuple[torch.Tensor, Optional[Fp8Weight]]]:
+def named_shards(model: GPTModel, recipe: Optional[PrecisionRecipe] = None,
+                 num_layers: Optional[int] = None) -> dict[str, tuple[torch.Tensor, Optional[Fp8Tensor]]]:
     """This rank's parameters under the bridge's Megatron names (global layer index, TE-style norm
-    keys through the layer spec's own key map), each with the FP8 weight its linear computes with
-    (None for a BF16 tensor): what the weight sync reads."""
-    out: dict[str, tuple[torch.Tensor, Optional[Fp8Weight]]] = {}
+    keys through the layer spec's own key map), each with the FP8 weight (checkpoint layout: codes +
+    128x128 ``scale_inv``) its linear computes with, None for a BF16 tensor: what the weight sync
+    reads. Native FP8 linears give their cached weight; Transformer Engine's linears (te backend:
+    pass the ``recipe`` and the model's ``num_layers``) give TE's own quantization of theirs in the
+    layers the recipe trains in FP8."""
+    out: dict[str, tuple[torch.Tensor, Optional[Fp8Tensor]]] = {}
+    te_linears = _te_linear_types() if recipe is not None and recipe.train_fp8 else ()
     for name, param in model.named_parameters():
         module_name = name.rsplit(".", 1)[0]
         module = model.get_submodule(module_name)
-        fp8 = module.fp8_weight() if isinstance(module, _Fp8LinearMixin) and name.endswith(".weight") else None
+        fp8 = None
+        if name.endswith(".weight") and isinstance(module, _Fp8LinearMixin):
+            weight = module.fp8_weight()
+            fp8 = weight.fprop if weight is not None else None
         if name.startswith(_LAYERS):
             local, rest = name[len(_LAYERS):].split(".", 1)
             layer = model.decoder.layers[int(local)]
@@ -149,8 +165,55 @@ def named_shards(model: GPTModel) -> dict[str, tuple[torch.Tensor, Optional[Fp8W
                 if rest.startswith(old):
                     rest = new + rest[len(old):]
             name = f"{_LAYERS}{layer.layer_number - 1}.{rest}"
+            if (te_linears and isinstance(module, te_linears) and name.endswith(".weight")
+                    and recipe.layer_in_fp8(layer.layer_number - 1, num_layers)):
+                fp8 = te_fp8_weight(module, recipe)
         out[name] = (param.detach(), fp8)
     return out
+
+
+def _te_linear_types() -> tuple[type, ...]:
+    """Transformer Engine's linear module classes (megatron's TE linears derive from them)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return ()
+    import transformer_engine.pytorch as te
+
+    return (te.Linear, te.LayerNormLinear)
+
+
+def te_fp8_weight(module, recipe: PrecisionRecipe) -> Fp8Tensor:
+    """The FP8 weight a Transformer Engine linear's FProp computes with under ``Float8BlockScaling``,
+    in the checkpoint layout: TE's own weight quantizer (the module's, made at its first FP8 forward;
+    before that one with the recipe's settings) applied to the weight. TE's 128x128 block
+    quantization is a pure function of the weight, so these are the bytes and scales of TE's GEMM
+    (and of the weight it caches for a step's micro-batches). TE pads ``scale_inv``'s columns to a
+    multiple of 4 with unwritten values: trimmed. A quantizer whose settings differ from the recipe
+    (TE imported without the recipe's environment) is refused: the engine would get other bytes
+    than the recipe promises."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    fwd = getattr(module, "quantizers", {}).get("scaling_fwd") or []
+    if len(fwd) > 1 and isinstance(fwd[1], Float8BlockQuantizer):  # slot 1: GEMM1_WEIGHT
+        quantizer = fwd[1].copy()  # the module's own flags (usage, internal) stay as its forward set them
+    else:
+        quantizer = Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False,
+                                         amax_epsilon=recipe.fp8.amax_epsilon,
+                                         force_pow_2_scales=recipe.fp8.pow2_scales, block_scaling_dim=2)
+    got = (quantizer.block_scaling_dim, float(quantizer.amax_epsilon), bool(quantizer.force_pow_2_scales))
+    want = (2, float(recipe.fp8.amax_epsilon), recipe.fp8.pow2_scales)
+    if got != want:
+        raise ConfigError("actor.fp8_backend", "te",
+                          f"Transformer Engine quantizes weights with (block dim, amax epsilon, power-of-2 scales) "
+                          f"= {got}, the recipe asks for {want}; set {recipe.te_env} before TE is imported")
+    quantizer.set_usage(rowwise=True, columnwise=False)
+    quantizer.internal = False
+    with torch.no_grad():
+        q = quantizer(module.weight.detach())
+    n, k = module.weight.shape
+    blocks_k = -(-k // WEIGHT_BLOCK[1])
+    return Fp8Tensor(q._rowwise_data.view(torch.float8_e4m3fn), q._rowwise_scale_inv[:, :blocks_k].contiguous(),
+                     WEIGHT_BLOCK)
 
 
 _LAYERS = "decoder.layers."

@@ -225,8 +225,9 @@ def _check_together(job: JobConfig) -> None:
     """Rules across sections (each section validated itself already)."""
     if job.actor.fp8_backend == "te" and job.precision.train_fp8:
         raise ConfigError("actor.fp8_backend", "te",
-                          "cannot hand its FP8 weights to the rollout engine yet (the weight sync reads them from the "
-                          "native FP8 linears only); use actor.fp8_backend=native")
+                          "is not yet proven to hand the rollout engine its own FP8 bytes (its weight sync path has "
+                          "not run with Transformer Engine on a GPU: tests/gpu/test_te_backend.py); use "
+                          "actor.fp8_backend=native")
     if job.rollout.fp8_kv_cache and not job.precision.rollout_fp8:
         raise ConfigError("rollout.vllm.kv_cache_dtype", "fp8",
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")

@@ -153,6 +153,12 @@ class PrecisionRecipe:
                 f"bf16_first_layers + bf16_last_layers must be <= num_layers ({num_layers})",
             )
 
+    @property
+    def te_env(self) -> dict[str, str]:
+        """The environment Transformer Engine must be imported with for this recipe's scales (TE reads
+        its block-scaling scale format once, at import)."""
+        return {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0" if self.fp8.pow2_scales else "1"}
+
     def te_settings(self, num_layers: int) -> TeSettings | None:
         """Transformer Engine ``Float8BlockScaling`` settings equal to this recipe; None when
         training does not run in FP8."""
@@ -165,7 +171,7 @@ class PrecisionRecipe:
         if first or last:
             megatron.update(num_layers_at_start_in_bf16=first, num_layers_at_end_in_bf16=last)
         return TeSettings(
-            env={"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0" if self.fp8.pow2_scales else "1"},
+            env=self.te_env,
             recipe_kwargs={
                 "fp8_format": "E4M3",
                 "x_block_scaling_dim": 1,

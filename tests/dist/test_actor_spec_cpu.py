@@ -76,7 +76,7 @@ def test_spec_keys_bf16_layers_and_fp8_forward(megatron_cpu):
         assert (fp8_weight is not None) == (spec.linear and spec.layer in (1, 2)), spec.megatron
     qkv = shards["decoder.layers.2.self_attention.linear_qkv.weight"]
     assert qkv[0].data_ptr() == fp8.decoder.layers[2].self_attention.linear_qkv.weight.data_ptr()
-    assert torch.equal(qkv[1].fprop.data.view(torch.uint8),
+    assert torch.equal(qkv[1].data.view(torch.uint8),
                        quantize_fp8_blockwise(qkv[0])[0].view(torch.uint8))
 
     # KV-cache calibration: the observer sees q, k, v as core attention gets them (after qk-norm, RoPE)

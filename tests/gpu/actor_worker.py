@@ -79,12 +79,12 @@ class Scenarios:
         return base
 
     def actor(self, arch: str, *, mode="bf16", tp=1, pp=1, sp=False, lr=1e-4, mb_tokens=256, recompute="none",
-              **fp8) -> Actor:
+              backend="native", **fp8) -> Actor:
         base = self.converted(arch)
         bridge = bridge_for(HFCheckpoint(base / "hf").config)
         recipe = build(PrecisionRecipe, {"mode": mode, "fp8": fp8}, "precision")
         settings = ActorSettings(parallel=ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp), precision=recipe,
-                                 max_tokens_per_microbatch=mb_tokens, recompute=recompute,
+                                 max_tokens_per_microbatch=mb_tokens, recompute=recompute, fp8_backend=backend,
                                  optimizer=OptimizerSettings(lr=lr, weight_decay=0.0, clip_grad=1.0,
                                                              initial_loss_scale=2.0**12))
         actor = Actor(bridge, settings)
@@ -170,6 +170,71 @@ class Scenarios:
                 "identical_after_step": bool(torch.equal(a["logprobs"], b["logprobs"])),
                 "peak_gib_none": a["peak"] / 2**30, "peak_gib_full": b["peak"] / 2**30,
             })
+
+    def te_backend(self):
+        """The te backend (Transformer Engine's layer spec, Float8BlockScaling with fp32 scales): the
+        FP8 weights the sync reads are the reference quantization of the parameters byte for byte
+        and the very bytes TE cached for its FProp; logprobs close to BF16's and to the native
+        backend's; optimizer steps lower the loss and the synced weights follow them."""
+        arch = "Qwen3ForCausalLM"
+        logprobs = {}
+        for mode, backend in (("bf16", "native"), ("fp8", "native"), ("fp8", "te")):
+            actor = self.actor(arch, mode=mode, backend=backend, lr=1e-3)
+            batch = make_batch(actor.bridge.dims.vocab_size)
+            logprobs[f"{mode}/{backend}"] = actor.compute_logprobs(batch).logprobs
+            if backend == "te":
+                mask = batch.fields["loss_mask"].bool()
+                entry = {"first": self._te_bytes(actor)}
+                losses = []
+                for _ in range(3):
+                    losses.append(-(actor.compute_logprobs(batch).logprobs[mask]).mean().item())
+                    actor.update(batch, cross_entropy_loss)
+                losses.append(-(actor.compute_logprobs(batch).logprobs[mask]).mean().item())
+                entry.update(losses=losses, after_steps=self._te_bytes(actor))
+                self.record("te/backend", entry)
+            actor.close()
+        mask = make_batch(actor.bridge.dims.vocab_size).fields["loss_mask"].bool()
+        d = lambda a, b: (logprobs[a] - logprobs[b])[mask].abs()  # noqa: E731
+        self.record("te/logprobs", {
+            "te_vs_bf16_mean": d("fp8/te", "bf16/native").mean().item(),
+            "native_vs_bf16_mean": d("fp8/native", "bf16/native").mean().item(),
+            "te_vs_native_mean": d("fp8/te", "fp8/native").mean().item(),
+            "te_vs_native_max": d("fp8/te", "fp8/native").max().item(),
+            "te_equals_native": bool(torch.equal(logprobs["fp8/te"], logprobs["fp8/native"])),
+        })
+
+    def _te_bytes(self, actor: Actor) -> dict:
+        """The te actor's synced FP8 weights against the reference quantization of each parameter and
+        against the weight TE cached for the last forward's GEMMs (``_fp8_workspaces``)."""
+        params = dict(actor.gpt.named_parameters())
+        modules = dict(actor.gpt.named_modules())
+        shards = actor.weight_shards()
+        from megatron_jetrl.actor.model import named_shards
+
+        by_ptr = {p.data_ptr(): n for n, p in params.items()}
+        local = {name: by_ptr[param.data_ptr()] for name, (param, _) in named_shards(actor.gpt).items()}
+        fp8 = {n: s.fp8 for n, s in shards.items() if s.fp8 is not None}
+        codes_equal = scales_equal = cache_equal = cache_seen = 0
+        first_diff = None
+        for name, w in fp8.items():
+            param = params[local[name]].detach()
+            q, sc = quantize_fp8_blockwise(param, (128, 128))
+            same_q = torch.equal(w.data.view(torch.uint8), q.view(torch.uint8))
+            same_s = torch.equal(w.scale_inv, sc)
+            codes_equal += same_q
+            scales_equal += same_s
+            if not (same_q and same_s) and first_diff is None:
+                differ = int((w.data.view(torch.uint8) != q.view(torch.uint8)).sum())
+                first_diff = {"name": name, "codes_differ": differ,
+                              "max_scale_rel_diff": ((w.scale_inv - sc).abs() / sc.abs()).max().item()}
+            cached = getattr(modules[local[name].rsplit(".", 1)[0]], "_fp8_workspaces", {}).get("weight")
+            if cached is not None:
+                cache_seen += 1
+                k = w.data.shape[1]
+                cache_equal += (torch.equal(cached._rowwise_data, w.data.view(torch.uint8))
+                                and torch.equal(cached._rowwise_scale_inv[:, :-(-k // 128)], w.scale_inv))
+        return {"fp8_tensors": len(fp8), "codes_equal": codes_equal, "scales_equal": scales_equal,
+                "cache_seen": cache_seen, "cache_equal": cache_equal, "first_diff": first_diff}
 
     def _fp8_weights_match(self, actor: Actor) -> bool:
         ok = True

@@ -7,6 +7,7 @@
   reconstructed from the trainer's shards with plain torch (not the sync's code); again after an
   optimizer step. With 2 GPUs: train TP=2 -> rollout TP=1 (every rank's engine holds the full
   model) and -> rollout TP=2 (each rank holds vLLM's shard).
+- byte_identity_te: the same with the te backend (Transformer Engine's linears; tests/gpu/test_te_backend.py).
 - mismatch: for bf16, fp8 (unified), bf16-train+fp8-rollout and fp16, the engine samples
   responses and reports rollout logprobs; the trainer recomputes them; rank 0 records mean
   |Δlogp|, k3 KL and token_mult_prob_error over response tokens.
@@ -133,12 +134,12 @@ class Scenarios(ActorScenarios):
         want = trainer_fp8_hashes(actor, rollout_tp, dist.get_rank() % rollout_tp)
         return {"engine": got, "trainer": want, "report": report, "engine_obj": engine, "sync": sync}
 
-    def byte_identity(self):
+    def byte_identity(self, backend: str = "native"):
         """Engine FP8 bytes and scales == the trainer's FProp weights, before and after a step."""
         recipe_mode = "fp8"
         layouts = [(1, 1)] if self.world == 1 else [(2, 1), (2, 2)]
         for tp, rollout_tp in layouts:
-            actor = self.actor(ARCH, mode=recipe_mode, tp=tp, lr=1e-3)
+            actor = self.actor(ARCH, mode=recipe_mode, tp=tp, lr=1e-3, backend=backend)
             recipe = actor.settings.precision
             # in place into the hf engine's own tensors, then (after a step) handed over through
             # update_weights: both paths must deliver the trainer's bytes
@@ -152,7 +153,7 @@ class Scenarios(ActorScenarios):
             flags = torch.tensor([int(all(ok))], device=actor.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
             changed = sum(first["engine"][k] != second["engine"][k] for k in first["engine"])
-            self.record(f"identity/tp{tp}_rollout{rollout_tp}", {
+            self.record(f"identity/{'te_' if backend == 'te' else ''}tp{tp}_rollout{rollout_tp}", {
                 "all_ranks_identical": bool(flags.item()), "fp8_tensors": len(first["engine"]),
                 "changed_after_step": changed, "rounds": second["report"].rounds,
                 "in_place_tensors": first["report"].in_place,
@@ -161,6 +162,10 @@ class Scenarios(ActorScenarios):
                                    None),
             })
             actor.close()
+
+    def byte_identity_te(self):
+        """The same with the te backend: the engine holds TE's FP8 bytes of the step."""
+        self.byte_identity(backend="te")
 
     def mismatch(self):
         """Engine rollout logprobs vs the trainer's recomputation, per precision mode."""

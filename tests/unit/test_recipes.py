@@ -144,7 +144,7 @@ def test_backend_env_follows_the_recipe(paths):
     assert backend_env(deep, resolve(deep, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "1"}
     hf = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "precision.fp8.pow2_scales=true",
                                                "rollout.engine=hf"])
-    # a te job is refused at load time until its FP8 bytes reach the sync; backend_env's part for it
+    # a te job is refused at load time until its sync path has run with TE on a GPU; backend_env's part for it
     te = dataclasses.replace(hf, actor=dataclasses.replace(hf.actor, fp8_backend="te"))
     assert backend_env(te, resolve(te, 8)) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
     with pytest.raises(ConfigError, match="actor.fp8_backend.*use actor.fp8_backend=native"):

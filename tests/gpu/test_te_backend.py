@@ -1,0 +1,65 @@
+"""The te backend on the GPU host (issue 17): Transformer Engine's layer spec with Float8BlockScaling
+and fp32 scales. Its FP8 weights are the reference 128x128 quantization byte for byte and the bytes
+TE cached for its own FProp; its logprobs sit as close to BF16 as the native backend's; steps lower
+the loss; the hf engine holds TE's bytes after a sync, before and after a step.
+
+Skipped where Transformer Engine is not installed, unless ``JETRL_REQUIRE_TE=1`` (set on the GPU
+host once benchmarks/te_install.sh installed it) makes a missing TE fail."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.gpu.test_actor import _launch, _ok
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformer_engine") is None and os.environ.get("JETRL_REQUIRE_TE") != "1",
+        reason="Transformer Engine is not installed here (benchmarks/te_install.sh installs it on the GPU host)"),
+]
+
+
+@pytest.fixture(scope="module")
+def te(tmp_path_factory, monkeypatch_module):
+    # TE reads its block-scaling scale format when it is imported: the worker's environment
+    monkeypatch_module.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    actor = _launch(tmp_path_factory.mktemp("te_actor"), 1, "te_backend")
+    sync = _launch(tmp_path_factory.mktemp("te_sync"), 1, "byte_identity_te",
+                   worker=Path(__file__).with_name("sync_worker.py"))
+    return actor, sync
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_te_weights_are_the_reference_bytes_and_tes_own_cache(te):
+    data, _ = te
+    _ok(data, "te_backend")
+    r = data["results"]["te/backend"]
+    for when in ("first", "after_steps"):
+        b = r[when]
+        assert b["fp8_tensors"] > 0, b
+        assert b["codes_equal"] == b["fp8_tensors"] and b["scales_equal"] == b["fp8_tensors"], b
+        assert b["cache_seen"] == b["fp8_tensors"] and b["cache_equal"] == b["cache_seen"], b
+    assert r["losses"][-1] < r["losses"][0], r["losses"]
+
+
+def test_te_logprobs_are_as_close_to_bf16_as_the_native_backend(te):
+    data, _ = te
+    r = data["results"]["te/logprobs"]
+    assert r["te_vs_bf16_mean"] < 2 * r["native_vs_bf16_mean"] + 1e-4, r
+    assert r["te_vs_native_mean"] < r["native_vs_bf16_mean"], r
+
+
+def test_hf_engine_holds_tes_bytes(te):
+    _, sync = te
+    _ok(sync, "byte_identity_te")
+    r = sync["results"]["identity/te_tp1_rollout1"]
+    assert r["all_ranks_identical"], r
+    assert r["fp8_tensors"] > 0 and r["changed_after_step"] > 0, r
