@@ -15,9 +15,14 @@
 # ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM), or a test file.
 # --actor "ARGS": the actor-step benchmark (issue 16; ARGS are bench_actor_step.py's), torchrun on one
 # GPU; repeatable. --linear: the FP8 linear benchmark, its headline key into /tmp/bench_vllm/headline_linear.json.
+# --with-te: Transformer Engine for this run only (waits up to 20 min for the five .te_pK folders the
+# carrying calls copy to /tmp/teb, runs te_install.sh once, puts /tmp/tesite first on PYTHONPATH with
+# JETRL_REQUIRE_TE=1 and the recipe's NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1). Only for the TE runs:
+# with TE importable megatron switches its optimizer and norms to TE's, which would change the rest.
+#   carrying call K (1-5): mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK
 set -uo pipefail
 tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=cutlass
-sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0
+sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 with_te=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift ;;
@@ -32,6 +37,7 @@ while [ $# -gt 0 ]; do
     --step-modes) step_modes="$2"; step=1; shift ;;
     --actor) actor+=("$2"); shift ;;
     --linear) linear=1 ;;
+    --with-te) with_te=1 ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
   shift
@@ -49,6 +55,16 @@ fi
 export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   HF_HUB_OFFLINE=1 JETRL_REQUIRE_VLLM=1
 python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$out/device.txt" || exit 1
+if [ $with_te -eq 1 ]; then
+  for _ in $(seq 120); do
+    [ "$(ls -d /tmp/teb/.te_p[1-5] 2>/dev/null | wc -l)" -eq 5 ] && break
+    sleep 10
+  done
+  t0=$(date +%s)
+  bash benchmarks/te_install.sh /tmp/teb >"$out/te_install.log" 2>&1 || { tail -40 "$out/te_install.log"; exit 1; }
+  echo "te_install: rc=0 in $(( $(date +%s) - t0 )) s: $(tail -2 "$out/te_install.log" | head -1)"
+  export PYTHONPATH=/tmp/tesite:$PYTHONPATH JETRL_REQUIRE_TE=1 NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
+fi
 
 rc=0
 for t in $tests; do

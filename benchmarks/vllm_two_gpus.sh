@@ -11,6 +11,8 @@
 #          (the FP8-over-BF16 ratios compare runs of the same GPU), with kernel profiles;
 #   GPU 1: the one-GPU vLLM tests (engine, RL loop), then the sync and the RL-step benchmarks.
 # Last, the table (benchmarks/bench_vllm.py table) with the headline figures.
+# Transformer Engine (issue 17): give one lane a `--with-te ...` run and carry the five .te_pK folders
+# of benchmarks/te_bundle.sh along the `wait` calls (the command is in te_bundle.sh's header).
 # The lanes share the host: each is pinned to half of the CPU cores (taskset), since a host-bound
 # benchmark in one lane slows down while the other compiles. Override the phases with BOTH_ARGS / LANE0_ARGS / LANE1_ARGS (vllm_gpu.sh arguments; " ;; " between
 # two sets runs vllm_gpu.sh once per set, in that order, so a lane's own order is kept).
