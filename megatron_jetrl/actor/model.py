@@ -210,8 +210,7 @@ def te_fp8_weight(module, recipe: PrecisionRecipe) -> Fp8Tensor:
     quantizer.internal = False
     with torch.no_grad():
         q = quantizer(module.weight.detach())
-    n, k = module.weight.shape
-    blocks_k = -(-k // WEIGHT_BLOCK[1])
+    blocks_k = -(-module.weight.shape[1] // WEIGHT_BLOCK[1])
     return Fp8Tensor(q._rowwise_data.view(torch.float8_e4m3fn), q._rowwise_scale_inv[:, :blocks_k].contiguous(),
                      WEIGHT_BLOCK)
 
