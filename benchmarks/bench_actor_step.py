@@ -78,7 +78,7 @@ def run_mode(mode: str, args, bridge) -> dict:
     settings = ActorSettings(
         parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
         precision=PrecisionRecipe(mode=precision), max_tokens_per_microbatch=args.mb_tokens,
-        optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend,
+        optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend, logprob_impl=args.logprob_impl,
     )
     actor = Actor(bridge, settings)
     log(f"{mode}: built")
@@ -171,6 +171,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", default="bf16,fp8", help=f"of {', '.join(MODES)}")
+    ap.add_argument("--logprob-impl", default="eager", choices=["eager", "compiled"],
+                    help="actor.logprob_impl for every mode (the vocabulary logprob/entropy arithmetic)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--headline", type=Path)
@@ -189,7 +191,7 @@ def main() -> int:
         print(f"\nactor step, {args.model} shapes x {args.layers} layers (+ 151936 vocab; LM head "
               f"{100 * lm_head_flop_share(config):.1f}% of the linear FLOPs), TP={args.tp}, "
               f"{dist.get_world_size()} x {name}, {args.seqs} x {args.seq_len} tokens/step, "
-              f"micro-batch {args.mb_tokens} tokens")
+              f"micro-batch {args.mb_tokens} tokens, logprob_impl {args.logprob_impl}")
         print(f"{'mode':6} {'step s':>8} {'tok/s/GPU':>10} {'logprob s':>10} {'tok/s/GPU':>10} {'peak GiB':>9}")
         for r in rows:
             print(f"{r['mode']:6} {r['step_s']:8.3f} {r['step_tok_s_gpu']:10.0f} {r['logprob_s']:10.3f} "
@@ -225,7 +227,7 @@ def main() -> int:
 
                 update(args.headline, headline,
                        device=name, command="torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py "
-                       f"--model {args.model} --layers {args.layers}")
+                       f"--model {args.model} --layers {args.layers} --logprob-impl {args.logprob_impl}")
         if args.json:
             plain = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
             args.json.write_text(json.dumps({"args": plain, "device": name,

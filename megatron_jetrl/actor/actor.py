@@ -371,7 +371,8 @@ class Actor:
     def _logprobs(self, mb: _MicroBatch, logits, with_entropy: bool):
         lp, ent = vocab_parallel_logprobs(
             logits[0], mb.labels, vocab_start=self._vocab_start, vocab_size=self.bridge.dims.vocab_size,
-            group=parallel_state.get_tensor_model_parallel_group(), with_entropy=with_entropy)
+            group=parallel_state.get_tensor_model_parallel_group(), with_entropy=with_entropy,
+            impl=self.settings.logprob_impl)
         lp = align_to_tokens(lp, mb.cu_seqlens)
         ent = align_to_tokens(ent, mb.cu_seqlens) if ent is not None else None
         return lp, ent

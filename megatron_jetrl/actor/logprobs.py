@@ -13,6 +13,15 @@ recomputes p from the saved logits and lse instead of keeping an fp32 [T, V/TP] 
 
     ∂ log p(y_t) / ∂ z_t[v] = 1[v = y_t] − p_t[v]
     ∂ H_t / ∂ z_t[v]        = p_t[v] (Σ_u p_t[u] z_t[u] − z_t[v])
+
+Two implementations of the per-chunk arithmetic (``impl``): ``eager``, torch ops one after another
+(the reference: about 20 fp32 passes over [T, V/TP] in the forward with entropy and 20 in the
+backward; with a 151,936-word vocabulary and 8,192-token micro-batches that is ~200 GB of memory
+traffic per micro-batch, most of the actor step's elementwise time measured on an H200), and
+``compiled``, the same formulas as pure functions under ``torch.compile``: each pass reads the BF16
+logits once (three short passes forward, one backward, writing the gradient once). Reductions
+and ``exp`` may round differently from the eager kernels (within a few fp32 ulps); the
+all-reduces over the TP group stay outside the compiled code.
 """
 
 from __future__ import annotations
@@ -46,6 +55,96 @@ def _masked_fp32(logits: torch.Tensor, real: int, fill: float) -> torch.Tensor:
             z = z.clone()
         z[:, real:] = fill
     return z
+
+
+def _real_columns(z: torch.Tensor, real: int) -> torch.Tensor:
+    return torch.arange(z.shape[-1], device=z.device)[None, :] < real
+
+
+def _chunk_max(logits: torch.Tensor, real: int) -> torch.Tensor:
+    z = logits.float()
+    return torch.where(_real_columns(z, real), z, float("-inf")).max(dim=-1).values
+
+
+def _chunk_sums(logits, m, labels, vocab_start: int, real: int):
+    """Σ exp(z − m) over the real columns, and the label's logit where this rank holds it (else 0)."""
+    z = logits.float()
+    e = torch.where(_real_columns(z, real), torch.exp(z - m[:, None]), 0.0)
+    local = (labels >= vocab_start) & (labels < vocab_start + real)
+    idx = (labels - vocab_start).clamp(0, max(real - 1, 0))
+    target = torch.where(local, z.gather(1, idx[:, None]).squeeze(1), 0.0)
+    return e.sum(dim=-1), target
+
+
+def _chunk_sum_pz(logits, m, s, real: int):
+    """Σ p z over the real columns, p = exp(z − m) / s."""
+    z = logits.float()
+    p = torch.exp(z - m[:, None]) / s[:, None]
+    return torch.where(_real_columns(z, real) & (p > 0), p * z, 0.0).sum(dim=-1)
+
+
+def _chunk_grad(logits, labels, lse, d_logp, sum_pz, d_entropy, vocab_start: int, real: int):
+    """The logits' gradient of one chunk (see the module docstring), in the logits' dtype;
+    ``d_logp`` / ``d_entropy`` may be None."""
+    z = logits.float()
+    cols = _real_columns(z, real)
+    p = torch.where(cols, torch.exp(z - lse[:, None]), 0.0)
+    g = torch.zeros_like(p)
+    if d_logp is not None:
+        local = (labels >= vocab_start) & (labels < vocab_start + real)
+        hit = (torch.arange(z.shape[-1], device=z.device)[None, :] == (labels - vocab_start)[:, None]) & local[:, None]
+        g = torch.where(hit, d_logp[:, None], 0.0) - p * d_logp[:, None]
+    if d_entropy is not None:
+        g = g + p * (sum_pz[:, None] - torch.where(cols, z, 0.0)) * d_entropy[:, None]
+    return g.to(logits.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(fn):
+    """``fn`` under torch.compile (dynamic shapes: chunks and micro-batches vary), made once."""
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn.__name__]
+
+
+class _CompiledVocabParallelLogprobs(torch.autograd.Function):
+    """The same function as ``_VocabParallelLogprobs`` with each chunk's arithmetic fused."""
+
+    @staticmethod
+    def forward(ctx, logits_TV, labels_T, vocab_start: int, vocab_size: int, group, with_entropy: bool):
+        T, v_local = logits_TV.shape
+        real = min(max(vocab_size - vocab_start, 0), v_local)
+        lse = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
+        logp = torch.empty_like(lse)
+        sum_pz = torch.empty_like(lse) if with_entropy else None
+        for a, b in _chunks(T, v_local):
+            chunk, labels = logits_TV[a:b], labels_T[a:b]
+            m = _all_reduce(_compiled(_chunk_max)(chunk, real), dist.ReduceOp.MAX, group)
+            s, target = _compiled(_chunk_sums)(chunk, m, labels, vocab_start, real)
+            s = _all_reduce(s, dist.ReduceOp.SUM, group)
+            lse[a:b] = m + torch.log(s)
+            logp[a:b] = _all_reduce(target, dist.ReduceOp.SUM, group) - lse[a:b]
+            if with_entropy:
+                sum_pz[a:b] = _all_reduce(_compiled(_chunk_sum_pz)(chunk, m, s, real), dist.ReduceOp.SUM, group)
+        entropy = lse - sum_pz if with_entropy else None
+        ctx.save_for_backward(logits_TV, labels_T, lse, sum_pz if with_entropy else lse)
+        ctx.vocab = (vocab_start, real)
+        ctx.with_entropy = with_entropy
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, d_logp, d_entropy):
+        logits_TV, labels_T, lse, sum_pz = ctx.saved_tensors
+        vocab_start, real = ctx.vocab
+        d_entropy = d_entropy if ctx.with_entropy else None
+        grad_TV = torch.empty_like(logits_TV)
+        for a, b in _chunks(*logits_TV.shape):
+            grad_TV[a:b] = _compiled(_chunk_grad)(
+                logits_TV[a:b], labels_T[a:b], lse[a:b], None if d_logp is None else d_logp[a:b],
+                sum_pz[a:b], None if d_entropy is None else d_entropy[a:b], vocab_start, real)
+        return grad_TV, None, None, None, None, None
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -112,6 +211,7 @@ def vocab_parallel_logprobs(
     vocab_size: int,
     group: Optional[dist.ProcessGroup] = None,
     with_entropy: bool = False,
+    impl: str = "eager",
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log p(labels) [T], entropy [T] or None), fp32, differentiable w.r.t. ``logits_TV``.
 
@@ -121,7 +221,13 @@ def vocab_parallel_logprobs(
         labels_T: global token ids to score.
         vocab_size: the real vocabulary size; columns at or past it are ignored.
         group: the tensor-parallel group holding the other slices (None: the full vocab is here).
+        impl: ``eager`` (the reference) or ``compiled`` (fused chunks; module docstring).
     """
     if logits_TV.dim() != 2 or labels_T.shape != logits_TV.shape[:1]:
         raise ValueError(f"logits must be [T, V] and labels [T]; got {tuple(logits_TV.shape)}, {tuple(labels_T.shape)}")
-    return _VocabParallelLogprobs.apply(logits_TV, labels_T, int(vocab_start), int(vocab_size), group, with_entropy)
+    if impl not in LOGPROB_IMPLS:
+        raise ValueError(f"impl {impl!r}: one of {', '.join(LOGPROB_IMPLS)}")
+    return LOGPROB_IMPLS[impl].apply(logits_TV, labels_T, int(vocab_start), int(vocab_size), group, with_entropy)
+
+
+LOGPROB_IMPLS = {"eager": _VocabParallelLogprobs, "compiled": _CompiledVocabParallelLogprobs}

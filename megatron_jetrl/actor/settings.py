@@ -73,7 +73,10 @@ class ActorSettings:
     ``recompute``: ``full`` keeps only each layer's input through the forward pass and recomputes
     the layer in the backward pass (megatron's full uniform recompute, one layer per checkpoint):
     about a third more update time for activations that no longer grow with depth, what 8K-16K
-    responses need; ``none`` keeps everything.
+    responses need; ``none`` keeps everything. ``logprob_impl``: how the per-token logprob and
+    entropy over the vocabulary are computed (``actor/logprobs.py``): ``eager`` torch ops, or
+    ``compiled`` (the same formulas fused by torch.compile: a few reads of the logits instead of
+    ~20 fp32 passes per micro-batch).
     """
 
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
@@ -83,11 +86,12 @@ class ActorSettings:
     max_tokens_per_microbatch: int = 8192
     max_seq_len: Optional[int] = None
     recompute: Literal["none", "full"] = "none"
+    logprob_impl: Literal["eager", "compiled"] = "eager"
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        check_fields(self, "actor", ("fp8_backend", "fp8_gemm", "recompute"))
+        check_fields(self, "actor", ("fp8_backend", "fp8_gemm", "recompute", "logprob_impl"))
         if not isinstance(self.parallel, ParallelLayout):
             raise ConfigError("actor.parallel", self.parallel, "must be a ParallelLayout")
         if not isinstance(self.precision, PrecisionRecipe):

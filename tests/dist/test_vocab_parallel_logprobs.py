@@ -19,7 +19,7 @@ def _inputs():
     return logits, labels, w_lp, w_ent
 
 
-def _worker(rank, port, results):
+def _worker(rank, port, impl, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=TP)
     try:
@@ -29,7 +29,7 @@ def _worker(rank, port, results):
         width = V_PADDED // TP
         local = logits[:, rank * width:(rank + 1) * width].clone().requires_grad_()
         lp, ent = vocab_parallel_logprobs(local, labels, vocab_start=rank * width, vocab_size=V_REAL,
-                                          group=torch.distributed.group.WORLD, with_entropy=True)
+                                          group=torch.distributed.group.WORLD, with_entropy=True, impl=impl)
         (lp * w_lp + ent * w_ent).sum().backward()
         results.put((rank, lp.tolist(), ent.tolist(), local.grad.tolist(), None))  # tensors die with the process
     except Exception as e:  # reported to the test
@@ -38,9 +38,10 @@ def _worker(rank, port, results):
         torch.distributed.destroy_process_group()
 
 
-def test_tp2_logprobs_entropy_and_grads_equal_full_vocab():
+@pytest.mark.parametrize("impl", ["eager", "compiled"])
+def test_tp2_logprobs_entropy_and_grads_equal_full_vocab(impl):
     port = free_port()
-    out = run_ranks(_worker, TP, port, timeout=120)
+    out = run_ranks(_worker, TP, port, impl, timeout=180)
     for rank, *_, err in out:
         assert err is None, f"rank {rank}: {err}"
 
