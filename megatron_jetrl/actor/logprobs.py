@@ -15,9 +15,9 @@ recomputes p from the saved logits and lse instead of keeping an fp32 [T, V/TP] 
     ∂ H_t / ∂ z_t[v]        = p_t[v] (Σ_u p_t[u] z_t[u] − z_t[v])
 
 Two implementations of the per-chunk arithmetic (``impl``): ``eager``, torch ops one after another
-(the reference: about 20 fp32 passes over [T, V/TP] in the forward with entropy and 20 in the
-backward; with a 151,936-word vocabulary and 8,192-token micro-batches that is ~200 GB of memory
-traffic per micro-batch, most of the actor step's elementwise time measured on an H200), and
+(the reference: about 40 full-size fp32 reads and writes of [T, V/TP] per micro-batch, forward
+with entropy and backward; with a 151,936-word vocabulary and 8,192-token micro-batches ~200 GB of
+memory traffic, an estimated half of the actor step's elementwise time measured on an H200), and
 ``compiled``, the same formulas as pure functions under ``torch.compile``: each pass reads the BF16
 logits once (three short passes forward, one backward, writing the gradient once). Reductions
 and ``exp`` may round differently from the eager kernels (within a few fp32 ulps); the
