@@ -193,7 +193,7 @@ class Scenarios:
                 entry.update(losses=losses, after_steps=self._te_bytes(actor))
                 self.record("te/backend", entry)
             actor.close()
-        mask = make_batch(actor.bridge.dims.vocab_size).fields["loss_mask"].bool()
+        mask = batch.fields["loss_mask"].bool()  # the same batch in every mode
         d = lambda a, b: (logprobs[a] - logprobs[b])[mask].abs()  # noqa: E731
         self.record("te/logprobs", {
             "te_vs_bf16_mean": d("fp8/te", "bf16/native").mean().item(),
