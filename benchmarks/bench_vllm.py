@@ -287,6 +287,7 @@ STEP_MODES = {  # name -> jetrl train overrides
     "bf16": ["precision.mode=bf16"],
     "mixed": ["precision.mode=bf16-train+fp8-rollout"],  # the off-policy recipe, for its mismatch
     "fp8-vq": ["precision.mode=fp8", "rollout.vllm.activation_quant=vllm"],  # vLLM's own quantization
+    "fp8kv": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8"],  # + the FP8 KV cache, trainer's scales
 }
 
 
@@ -304,6 +305,9 @@ def step_runs(args) -> dict:
                f"run.dir={run_dir}", *STEP_MODES[mode], "rollout.engine=vllm",
                f"rollout.vllm.gpu_memory_utilization={args.step_gpu_memory_utilization}",
                f"rollout.vllm.fp8_gemm={args.fp8_gemm}", f"run.steps={steps}", "log.console=false",
+               f"model.config.num_hidden_layers={args.step_layers}",
+               f"rollout.sampling.max_new_tokens={args.step_response_len}",
+               f"rollout.offload_actor={str(args.step_offload).lower()}",
                *([f"run.profile_steps=[{steps}]"] if args.profile else []), "--skip-memory-check"]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         t0 = time.perf_counter()
@@ -315,6 +319,8 @@ def step_runs(args) -> dict:
             print("\n".join((Path(args.work) / f"step_{mode}.log").read_text(errors="replace").splitlines()[-40:]))
             continue
         results[mode] = summarise(metrics, untimed=(steps,) if args.profile else ())
+        results[mode]["config"] = {"layers": args.step_layers, "response_len": args.step_response_len,
+                                   "offload_actor": args.step_offload}
         profile = run_dir / "profiles" / f"step_{steps}.json"
         if profile.is_file():
             results[mode]["profile"] = json.loads(profile.read_text())
@@ -380,7 +386,9 @@ def table(args) -> str:
         if single:
             headline["vllm_sync_8b_s"] = min(s["total_s"] for s in single)
     if step:
-        lines.append("\n== RL step with vLLM rollout, Qwen3-8B layer shapes (6 layers), mean s over steps 2.. ==")
+        conf = next(iter(step.values())).get("config", {"layers": 6, "response_len": 512})  # older runs: the defaults
+        lines.append(f"\n== RL step with vLLM rollout, Qwen3-8B layer shapes ({conf['layers']} layers, responses "
+                     f"up to {conf['response_len']} tokens), mean s over steps 2.. ==")
         phases = ("generate", "logprobs", "update", "sync", "step")
         lines.append(f"{'mode':>8} " + " ".join(f"{p:>9}" for p in phases) + f" {'tok/s/GPU':>10} {'k3 KL':>9}")
         for mode, r in step.items():
@@ -426,6 +434,10 @@ def main(argv=None) -> int:
     p.add_argument("--sync-gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--step-steps", type=int, default=4)
     p.add_argument("--step-modes", default="fp8,bf16", help=f"step: of {', '.join(STEP_MODES)}")
+    p.add_argument("--step-layers", type=int, default=6, help="step: decoder layers at Qwen3-8B widths")
+    p.add_argument("--step-response-len", type=int, default=512, help="step: max new tokens per response")
+    p.add_argument("--step-offload", action="store_true",
+                   help="step: rollout.offload_actor=true (the actor waits in host memory while vLLM generates)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--fp8-gemm", default="cutlass", choices=["cutlass", "deep_gemm"])
     p.add_argument("--bucket-mb", type=float, default=1024)

@@ -10,7 +10,8 @@
 #                               [--fp8-gemm cutlass|deep_gemm] [--sync-tp "2:2 2:1"]
 # --sync-tp: train:rollout TP layouts for --sync (default 1:1; more than one GPU runs under torchrun).
 # --step-modes fp8,bf16,mixed,fp8-vq: the RL-step modes (implies --step); --profile also profiles
-# one more step of each (run.profile_steps).
+# one more step of each (run.profile_steps). --step-args "ARGS": more bench_vllm.py step arguments,
+# e.g. "--step-layers 16 --step-response-len 2048 --step-offload".
 # --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
 # ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM), or a test file.
 # --actor "ARGS": the actor-step benchmark (issue 16; ARGS are bench_actor_step.py's), torchrun on one
@@ -22,7 +23,7 @@
 #   carrying call K (1-5): mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK
 set -uo pipefail
 tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=cutlass
-sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 with_te=0
+sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 with_te=0 step_args=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift ;;
@@ -38,6 +39,7 @@ while [ $# -gt 0 ]; do
     --actor) actor+=("$2"); shift ;;
     --linear) linear=1 ;;
     --with-te) with_te=1 ;;
+    --step-args) step_args="$2"; step=1; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
   shift
@@ -108,7 +110,8 @@ bench=(python3 benchmarks/bench_vllm.py --fp8-gemm "$gemm")
 for layout in $sync_tp; do
   [ -n "$sync" ] && { "${bench[@]}" sync --paths "$sync" --train-tp "${layout%:*}" --rollout-tp "${layout#*:}" || rc=1; }
 done
-[ $step -eq 1 ] && { "${bench[@]}" step --step-modes "$step_modes" $profile || rc=1; }
+# shellcheck disable=SC2086  # step_args are words
+[ $step -eq 1 ] && { "${bench[@]}" step --step-modes "$step_modes" $profile $step_args || rc=1; }
 if [ $table -eq 1 ]; then
   mkdir -p /tmp/bench_vllm && cp docs/results/headline.json /tmp/bench_vllm/headline.json 2>/dev/null
   "${bench[@]}" table --headline /tmp/bench_vllm/headline.json
