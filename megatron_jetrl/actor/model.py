@@ -208,6 +208,7 @@ def te_fp8_weight(module, recipe: PrecisionRecipe) -> Fp8Tensor:
                           f"= {got}, the recipe asks for {want}; set {recipe.te_env} before TE is imported")
     quantizer.set_usage(rowwise=True, columnwise=False)
     quantizer.internal = False
+    quantizer.optimize_for_gemm = False  # scales in the plain [blocks_n, blocks_k (padded)] layout
     with torch.no_grad():
         q = quantizer(module.weight.detach())
     blocks_k = -(-module.weight.shape[1] // WEIGHT_BLOCK[1])
