@@ -57,6 +57,30 @@ def _masked_fp32(logits: torch.Tensor, real: int, fill: float) -> torch.Tensor:
     return z
 
 
+def _label_columns(labels: torch.Tensor, vocab_start: int, real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which labels this rank's real columns hold, and each label's column here (clamped in range
+    for the others, whose values are then masked out)."""
+    local = (labels >= vocab_start) & (labels < vocab_start + real)
+    return local, (labels - vocab_start).clamp(0, max(real - 1, 0))
+
+
+def _forward_buffers(logits_TV, vocab_start: int, vocab_size: int, with_entropy: bool):
+    """This rank's count of real vocabulary columns and the forward's fp32 outputs per row (lse,
+    logp, and Σ p z with entropy)."""
+    T, v_local = logits_TV.shape
+    real = min(max(vocab_size - vocab_start, 0), v_local)
+    lse = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
+    return real, lse, torch.empty_like(lse), torch.empty_like(lse) if with_entropy else None
+
+
+def _save_for_backward(ctx, logits_TV, labels_T, lse, logp, sum_pz, vocab_start: int, real: int, with_entropy):
+    """What both implementations keep for their backward; returns the forward's outputs."""
+    ctx.save_for_backward(logits_TV, labels_T, lse, sum_pz if with_entropy else lse)
+    ctx.vocab = (vocab_start, real)
+    ctx.with_entropy = with_entropy
+    return logp, (lse - sum_pz if with_entropy else None)
+
+
 def _real_columns(z: torch.Tensor, real: int) -> torch.Tensor:
     return torch.arange(z.shape[-1], device=z.device)[None, :] < real
 
@@ -70,8 +94,7 @@ def _chunk_sums(logits, m, labels, vocab_start: int, real: int):
     """Σ exp(z − m) over the real columns, and the label's logit where this rank holds it (else 0)."""
     z = logits.float()
     e = torch.where(_real_columns(z, real), torch.exp(z - m[:, None]), 0.0)
-    local = (labels >= vocab_start) & (labels < vocab_start + real)
-    idx = (labels - vocab_start).clamp(0, max(real - 1, 0))
+    local, idx = _label_columns(labels, vocab_start, real)
     target = torch.where(local, z.gather(1, idx[:, None]).squeeze(1), 0.0)
     return e.sum(dim=-1), target
 
@@ -91,8 +114,8 @@ def _chunk_grad(logits, labels, lse, d_logp, sum_pz, d_entropy, vocab_start: int
     p = torch.where(cols, torch.exp(z - lse[:, None]), 0.0)
     g = torch.zeros_like(p)
     if d_logp is not None:
-        local = (labels >= vocab_start) & (labels < vocab_start + real)
-        hit = (torch.arange(z.shape[-1], device=z.device)[None, :] == (labels - vocab_start)[:, None]) & local[:, None]
+        local, idx = _label_columns(labels, vocab_start, real)
+        hit = (torch.arange(z.shape[-1], device=z.device)[None, :] == idx[:, None]) & local[:, None]
         g = torch.where(hit, d_logp[:, None], 0.0) - p * d_logp[:, None]
     if d_entropy is not None:
         g = g + p * (sum_pz[:, None] - torch.where(cols, z, 0.0)) * d_entropy[:, None]
@@ -114,12 +137,8 @@ class _CompiledVocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_TV, labels_T, vocab_start: int, vocab_size: int, group, with_entropy: bool):
-        T, v_local = logits_TV.shape
-        real = min(max(vocab_size - vocab_start, 0), v_local)
-        lse = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
-        logp = torch.empty_like(lse)
-        sum_pz = torch.empty_like(lse) if with_entropy else None
-        for a, b in _chunks(T, v_local):
+        real, lse, logp, sum_pz = _forward_buffers(logits_TV, vocab_start, vocab_size, with_entropy)
+        for a, b in _chunks(*logits_TV.shape):
             chunk, labels = logits_TV[a:b], labels_T[a:b]
             m = _all_reduce(_compiled(_chunk_max)(chunk, real), dist.ReduceOp.MAX, group)
             s, target = _compiled(_chunk_sums)(chunk, m, labels, vocab_start, real)
@@ -128,11 +147,7 @@ class _CompiledVocabParallelLogprobs(torch.autograd.Function):
             logp[a:b] = _all_reduce(target, dist.ReduceOp.SUM, group) - lse[a:b]
             if with_entropy:
                 sum_pz[a:b] = _all_reduce(_compiled(_chunk_sum_pz)(chunk, m, s, real), dist.ReduceOp.SUM, group)
-        entropy = lse - sum_pz if with_entropy else None
-        ctx.save_for_backward(logits_TV, labels_T, lse, sum_pz if with_entropy else lse)
-        ctx.vocab = (vocab_start, real)
-        ctx.with_entropy = with_entropy
-        return logp, entropy
+        return _save_for_backward(ctx, logits_TV, labels_T, lse, logp, sum_pz, vocab_start, real, with_entropy)
 
     @staticmethod
     def backward(ctx, d_logp, d_entropy):
@@ -150,31 +165,21 @@ class _CompiledVocabParallelLogprobs(torch.autograd.Function):
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TV, labels_T, vocab_start: int, vocab_size: int, group, with_entropy: bool):
-        T, v_local = logits_TV.shape
-        real = min(max(vocab_size - vocab_start, 0), v_local)
-        lse = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
-        logp = torch.empty_like(lse)
-        sum_pz = torch.empty_like(lse) if with_entropy else None
-        for a, b in _chunks(T, v_local):
+        real, lse, logp, sum_pz = _forward_buffers(logits_TV, vocab_start, vocab_size, with_entropy)
+        for a, b in _chunks(*logits_TV.shape):
             z = _masked_fp32(logits_TV[a:b], real, float("-inf"))
             m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
             e = torch.exp(z - m[:, None])
             s = _all_reduce(e.sum(dim=-1), dist.ReduceOp.SUM, group)
             lse[a:b] = m + torch.log(s)
-            labels = labels_T[a:b]
-            local = (labels >= vocab_start) & (labels < vocab_start + real)
-            idx = (labels - vocab_start).clamp(0, max(real - 1, 0))
+            local, idx = _label_columns(labels_T[a:b], vocab_start, real)
             target = torch.where(local, z.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(m))
             logp[a:b] = _all_reduce(target, dist.ReduceOp.SUM, group) - lse[a:b]
             if with_entropy:
                 e.div_(s[:, None])
                 pz = torch.where(e > 0, e * z, torch.zeros_like(e))
                 sum_pz[a:b] = _all_reduce(pz.sum(dim=-1), dist.ReduceOp.SUM, group)
-        entropy = lse - sum_pz if with_entropy else None
-        ctx.save_for_backward(logits_TV, labels_T, lse, sum_pz if with_entropy else lse)
-        ctx.vocab = (vocab_start, real)
-        ctx.with_entropy = with_entropy
-        return logp, entropy
+        return _save_for_backward(ctx, logits_TV, labels_T, lse, logp, sum_pz, vocab_start, real, with_entropy)
 
     @staticmethod
     def backward(ctx, d_logp, d_entropy):
@@ -193,9 +198,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 # + d_logp at each row's label column, on the rank that holds it; without selecting
                 # the rows (a nonzero() would make the host wait for the GPU): the other rows add 0.0
                 # to a column of their own, which leaves it bit for bit as it is (g is never -0.0).
-                labels = labels_T[a:b]
-                local = (labels >= vocab_start) & (labels < vocab_start + real)
-                idx = (labels - vocab_start).clamp(0, max(real - 1, 0))
+                local, idx = _label_columns(labels_T[a:b], vocab_start, real)
                 g.scatter_add_(1, idx[:, None], torch.where(local, d_logp[a:b], 0.0)[:, None])
             if ctx.with_entropy and d_entropy is not None:
                 g += p * (sum_pz[a:b, None] - z) * d_entropy[a:b, None]
