@@ -216,9 +216,7 @@ class Actor:
         computing in FP8 -- the very bytes the next forward reads. What the weight sync sends."""
         if self._memory.offloaded:
             raise RuntimeError("the actor is offloaded; call onload() before syncing weights")
-        te = self.settings.fp8_backend == "te"
-        shards = model_lib.named_shards(self.gpt, self.settings.precision if te else None,
-                                        self.bridge.dims.num_layers if te else None)
+        shards = model_lib.named_shards(self.gpt, self.settings.precision, self.bridge.dims.num_layers)
         return {name: Shard(param, fp8) for name, (param, fp8) in shards.items()}
 
     def offload(self) -> OffloadReport:

@@ -26,6 +26,7 @@ all-reduces over the TP group stay outside the compiled code.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -122,14 +123,10 @@ def _chunk_grad(logits, labels, lse, d_logp, sum_pz, d_entropy, vocab_start: int
     return g.to(logits.dtype)
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.cache
 def _compiled(fn):
     """``fn`` under torch.compile (dynamic shapes: chunks and micro-batches vary), made once."""
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn.__name__]
+    return torch.compile(fn, dynamic=True)
 
 
 class _CompiledVocabParallelLogprobs(torch.autograd.Function):

@@ -146,9 +146,9 @@ def named_shards(model: GPTModel, recipe: Optional[PrecisionRecipe] = None,
     """This rank's parameters under the bridge's Megatron names (global layer index, TE-style norm
     keys through the layer spec's own key map), each with the FP8 weight (checkpoint layout: codes +
     128x128 ``scale_inv``) its linear computes with, None for a BF16 tensor: what the weight sync
-    reads. Native FP8 linears give their cached weight; Transformer Engine's linears (te backend:
-    pass the ``recipe`` and the model's ``num_layers``) give TE's own quantization of theirs in the
-    layers the recipe trains in FP8."""
+    reads. Native FP8 linears give their cached weight; Transformer Engine's linears (te backend)
+    give TE's own quantization of theirs in the layers the ``recipe`` trains in FP8 (of the model's
+    ``num_layers``; without a recipe they read as BF16)."""
     out: dict[str, tuple[torch.Tensor, Optional[Fp8Tensor]]] = {}
     te_linears = _te_linear_types() if recipe is not None and recipe.train_fp8 else ()
     for name, param in model.named_parameters():
