@@ -394,10 +394,12 @@ def table(args) -> str:
         for mode, r in step.items():
             lines.append(f"{mode:>8} " + " ".join(f"{r['seconds'][p]:>9.3f}" for p in phases)
                          + f" {r['tokens_per_s_per_gpu']:>10.0f} {r.get('k3_kl', float('nan')):>9.2e}")
-        if {"fp8", "bf16"} <= set(step):
-            lines.append(f"{'bf16/fp8':>8} " + " ".join(
-                f"{step['bf16']['seconds'][p] / step['fp8']['seconds'][p]:>8.2f}x" for p in phases))
-            headline["rl_step_vllm_fp8_over_bf16"] = step["bf16"]["seconds"]["step"] / step["fp8"]["seconds"]["step"]
+        for mode in (m for m in step if m != "bf16" and "bf16" in step):
+            lines.append(f"{'bf16/' + mode:>8} " + " ".join(
+                f"{step['bf16']['seconds'][p] / step[mode]['seconds'][p]:>8.2f}x" for p in phases))
+            if mode in ("fp8", "fp8kv"):  # the product's two FP8 rollouts (weights; weights + KV cache)
+                ratio = step["bf16"]["seconds"]["step"] / step[mode]["seconds"]["step"]
+                headline[f"rl_step_vllm_{mode}_over_bf16"] = ratio
         for mode, r in step.items():
             if "profile" in r:
                 prof = r["profile"]
@@ -409,7 +411,7 @@ def table(args) -> str:
     if args.headline and headline:
         from benchmarks.headline import update
 
-        command = ("bash benchmarks/vllm_two_gpus.sh start (2 GPUs) or benchmarks/vllm_gpu.sh (1 GPU): "
+        command = ("bash benchmarks/vllm_lanes.sh start (several GPUs) or benchmarks/vllm_gpu.sh (1 GPU): "
                    "python benchmarks/bench_vllm.py decode, sync, step, then table --headline")
         update(args.headline, headline, device=device, command=command)
         lines.append(f"\nheadline -> {args.headline}: " + ", ".join(f"{k} {v:.3f}" for k, v in headline.items()))

@@ -13,9 +13,9 @@
 #   calls 1-4: carry [".te_pK"],          command: mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/
 #   call 5:    carry [".te_p5", ".whl"],  command: cp -r .te_p5 /tmp/teb/ && bash benchmarks/te_install.sh && ...
 #
-# On a 2-GPU host next to the vLLM lanes (benchmarks/vllm_two_gpus.sh), the five parts ride along the
+# On a multi-GPU host next to the vLLM lanes (benchmarks/vllm_lanes.sh), the five parts ride along the
 # `wait` calls instead (carry [".te_pK"], command: mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp
-# && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK && bash benchmarks/vllm_two_gpus.sh wait 540), and one
+# && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK && bash benchmarks/vllm_lanes.sh wait 540), and one
 # lane's `vllm_gpu.sh --with-te ...` waits for them, installs TE and runs the TE tests and benchmark.
 #
 # te_install.sh (on the host) checks every part, installs the wheels into /tmp/tesite and builds

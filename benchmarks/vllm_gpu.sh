@@ -44,7 +44,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-out=${JETRL_VLLM_OUT:-/tmp/vllm_gpu_out}  # one per lane when two run side by side (vllm_two_gpus.sh)
+out=${JETRL_VLLM_OUT:-/tmp/vllm_gpu_out}  # one per lane when two run side by side (vllm_lanes.sh)
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 # shellcheck source=benchmarks/gpu_setup.sh
 . benchmarks/gpu_setup.sh

@@ -79,12 +79,13 @@ class Scenarios:
         return base
 
     def actor(self, arch: str, *, mode="bf16", tp=1, pp=1, sp=False, lr=1e-4, mb_tokens=256, recompute="none",
-              backend="native", **fp8) -> Actor:
+              backend="native", logprob_impl="eager", **fp8) -> Actor:
         base = self.converted(arch)
         bridge = bridge_for(HFCheckpoint(base / "hf").config)
         recipe = build(PrecisionRecipe, {"mode": mode, "fp8": fp8}, "precision")
         settings = ActorSettings(parallel=ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp), precision=recipe,
                                  max_tokens_per_microbatch=mb_tokens, recompute=recompute, fp8_backend=backend,
+                                 logprob_impl=logprob_impl,
                                  optimizer=OptimizerSettings(lr=lr, weight_decay=0.0, clip_grad=1.0,
                                                              initial_loss_scale=2.0**12))
         actor = Actor(bridge, settings)
@@ -170,6 +171,49 @@ class Scenarios:
                 "identical_after_step": bool(torch.equal(a["logprobs"], b["logprobs"])),
                 "peak_gib_none": a["peak"] / 2**30, "peak_gib_full": b["peak"] / 2**30,
             })
+
+    def host_syncs(self):
+        """Where the actor's compute makes the host wait for the GPU: torch's sync debug mode over
+        the micro-batches of the logprob pass (forward) and of an update (forward + backward);
+        micro-batch assembly before and the optimizer step after stay outside. Micro-batches of
+        ~4K tokens, so the embedding's backward takes the sorting path the real steps take."""
+        import warnings
+
+        arch = "Qwen3ForCausalLM"
+        for mode in ("bf16", "fp8"):
+            for impl in ("eager", "compiled"):
+                actor = self.actor(arch, mode=mode, mb_tokens=4096, logprob_impl=impl)
+                seen = {}
+                run = actor._run
+
+                def watched(micro_batches, *, forward_only, loss_func, run=run, seen=seen):
+                    torch.cuda.synchronize()
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        torch.cuda.set_sync_debug_mode("warn")
+                        try:
+                            out = run(micro_batches, forward_only=forward_only, loss_func=loss_func)
+                        finally:
+                            torch.cuda.set_sync_debug_mode("default")
+                    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                             if "synchroniz" in str(w.message)]
+                    seen["forward" if forward_only else "forward_backward"] = {
+                        "micro_batches": len(micro_batches), "syncs": syncs}
+                    return out
+
+                actor._run = watched
+                g = torch.Generator().manual_seed(3)
+                lens = [1900, 2100, 1500, 2500]
+                vocab = actor.bridge.dims.vocab_size
+                batch = PackedBatch.from_sequences(
+                    [torch.randint(0, vocab, (n,), generator=g) for n in lens],
+                    loss_mask=[torch.ones(n) for n in lens],
+                    advantages=[torch.full((n,), float(torch.randn((), generator=g))) for n in lens])
+                old = actor.compute_logprobs(batch, with_entropy=True).logprobs
+                batch.fields["old_logprobs"] = old
+                actor.update(batch, ppo_clip_loss)
+                actor.close()
+                self.record(f"host_syncs/{mode}/{impl}", seen)
 
     def te_backend(self):
         """The te backend (Transformer Engine's layer spec, Float8BlockScaling with fp32 scales): the

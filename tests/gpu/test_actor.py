@@ -132,3 +132,22 @@ def test_parallel_layouts_match_tp1(two_gpus):
     assert r["tp2_to_tp1_load"]["mean_abs_dlogp_vs_tp2"] < 2e-2
     assert r["tp2_to_tp1_load"]["steps"] == 2  # one step saved at TP=2, one more at TP=1
     assert r["exports_have_same_layout"]
+
+
+@pytest.fixture(scope="module")
+def host_syncs(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("syncs"), 1, "host_syncs")
+
+
+def test_micro_batches_do_not_make_the_host_wait(host_syncs):
+    """Under torch's sync debug mode: the logprob pass's micro-batches never wait for the GPU; an
+    update's forward + backward waits at most once per micro-batch, inside megatron's backward
+    call (the embedding's backward counts its index segments on the host above 3,072 tokens)."""
+    _ok(host_syncs, "host_syncs")
+    results = host_syncs["results"]
+    assert set(results) == {f"host_syncs/{m}/{i}" for m in ("bf16", "fp8") for i in ("eager", "compiled")}
+    for key, seen in results.items():
+        fwd, fb = seen["forward"], seen["forward_backward"]
+        assert fwd["micro_batches"] >= 2 and fwd["syncs"] == [], (key, fwd)
+        assert len(fb["syncs"]) <= fb["micro_batches"], (key, fb)
+        assert all(s.startswith("schedules.py:") for s in fb["syncs"]), (key, fb)

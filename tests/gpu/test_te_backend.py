@@ -1,7 +1,7 @@
 """The te backend on the GPU host (issue 17): Transformer Engine's layer spec with Float8BlockScaling
 and fp32 scales. Its FP8 weights are the reference 128x128 quantization byte for byte and the bytes
 TE cached for its own FProp; its logprobs sit as close to BF16 as the native backend's; steps lower
-the loss; the hf engine holds TE's bytes after a sync, before and after a step.
+the loss; the hf engine and real vLLM hold TE's bytes after a sync, before and after a step.
 
 Skipped where Transformer Engine is not installed, unless ``JETRL_REQUIRE_TE=1`` (set on the GPU
 host once benchmarks/te_install.sh installed it) makes a missing TE fail."""
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu.conftest import requires_vllm
 from tests.gpu.test_actor import _launch, _ok
+from tests.gpu.test_vllm_engine import _run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,3 +65,17 @@ def test_hf_engine_holds_tes_bytes(te):
     r = sync["results"]["identity/te_tp1_rollout1"]
     assert r["all_ranks_identical"], r
     assert r["fp8_tensors"] > 0 and r["changed_after_step"] > 0, r
+
+
+@requires_vllm
+def test_vllm_holds_tes_bytes(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    r = _run(tmp_path_factory, "engine_fp8_te")["engine_fp8_te"]
+    for key in ("identity_first", "identity_after_step"):
+        ident = r[key]
+        assert ident["equal"], ident["first_diff"]
+        assert ident["live_equals_shipped"], ident["first_shipped_diff"]
+        assert ident["fp8_tensors"] > 0
+    assert r["identity_first"]["in_place"] == r["identity_first"]["tensors"]
+    assert r["changed_after_step"] > 0
+    assert r["mismatch"]["k3_kl"] < 1e-3, r["mismatch"]

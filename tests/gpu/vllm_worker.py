@@ -13,6 +13,8 @@ is one launch:
   memory a level-2 sleep frees (without copying weights to the host), and the engine-vs-trainer
   mismatch.
 - engine_fp8_reload: the same through vLLM's own loaders (layerwise reload).
+- engine_fp8_te: the te backend's FP8 bytes (Transformer Engine's linears) into vLLM, in place and
+  through update_weights, before and after a step (tests/gpu/test_te_backend.py).
 In both, every live tensor (norms and embeddings too) also hashes equal to what the sync shipped.
 - tp2_to_vllm_tp2 / tp2_to_vllm_tp2_reload / tp2_to_vllm_tp1 (2 GPUs): trainer TP=2 into vLLM at
   rollout TP 2 (in place, update_weights, and vLLM's loaders fed presharded tensors) and at
@@ -105,10 +107,10 @@ def rss_gib() -> float:
 
 
 class Scenarios(SyncScenarios):
-    def _setup(self, mode: str, options: VllmOptions, steps: int = 3, tp: int = 1):
+    def _setup(self, mode: str, options: VllmOptions, steps: int = 3, tp: int = 1, backend: str = "native"):
         """An actor (trainer TP ``tp``) after ``steps`` supervised steps (distributions not near
         uniform), the engine, and a sync between them (bucket 1 MB: many rounds)."""
-        actor = self.actor(ARCH, mode=mode, tp=tp, lr=1e-3)
+        actor = self.actor(ARCH, mode=mode, tp=tp, lr=1e-3, backend=backend)
         recipe = actor.settings.precision
         for step in range(steps):
             actor.update(make_batch(actor.bridge.dims.vocab_size, seed=100 + step), cross_entropy_loss)
@@ -235,6 +237,26 @@ class Scenarios(SyncScenarios):
         mismatch, _ = self._mismatch(actor, engine)
         self.record("engine_fp8_reload", {**{k: v for k, v in ident.items() if k != "hashes"},
                                           "mismatch": mismatch})
+        engine.close()
+        actor.close()
+
+    def engine_fp8_te(self):
+        """The te backend (Transformer Engine's linears) into vLLM: vLLM's live FP8 bytes are TE's
+        FProp bytes, in place and through update_weights, before and after optimizer steps; the
+        engine-vs-trainer mismatch with TE as the trainer."""
+        options = VllmOptions(gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=64, enforce_eager=True)
+        actor, engine, sync = self._setup("fp8", options, backend="te")
+        vocab = actor.bridge.dims.vocab_size
+        engine.sleep()
+        first = self._identity(actor, engine, sync, in_place=True)
+        actor.update(make_batch(vocab, seed=7), cross_entropy_loss)
+        second = self._identity(actor, engine, sync, in_place=False)
+        mismatch, _ = self._mismatch(actor, engine)
+        r = {key: {k: v for k, v in ident.items() if k != "hashes"}
+             for key, ident in (("identity_first", first), ("identity_after_step", second))}
+        r["changed_after_step"] = sum(first["hashes"][k] != second["hashes"][k] for k in first["hashes"])
+        r["mismatch"] = mismatch
+        self.record("engine_fp8_te", r)
         engine.close()
         actor.close()
 

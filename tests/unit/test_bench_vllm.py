@@ -59,17 +59,19 @@ def test_table_ratios_and_headline(tmp_path):
         "wall_s": 2.5, "kernel_ms": 900.0, "classes_ms": {"gemm": 500.0, "attention": 400.0}, "top_kernels_ms": {}}}}
     (work / "step.json").write_text(json.dumps({
         "fp8": {"seconds": {**phases, "step": 3.2}, "tokens_per_s_per_gpu": 100.0, "profile": profile},
-        "bf16": {"seconds": phases, "tokens_per_s_per_gpu": 80.0}}))
+        "bf16": {"seconds": phases, "tokens_per_s_per_gpu": 80.0},
+        "fp8kv": {"seconds": {**phases, "step": 2.5}, "tokens_per_s_per_gpu": 120.0}}))
     headline = tmp_path / "headline.json"
     text = _table(work, headline)
     assert "1.20x" in text and "1.60x" in text  # 256x4096: fp8 600/500, fp8kv 800/500
     assert "fp8-deep_gemm/bf16" in text and "1.40x" in text  # DeepGEMM 700/500
     got = {k: v["value"] for k, v in json.loads(headline.read_text()).items()}
     assert got == {"vllm_decode_fp8_over_bf16": 1.2, "vllm_decode_fp8kv_over_bf16": 1.6, "vllm_sync_8b_s": 0.2,
-                   "rl_step_vllm_fp8_over_bf16": 1.25}
+                   "rl_step_vllm_fp8_over_bf16": 1.25, "rl_step_vllm_fp8kv_over_bf16": 1.6}
     assert json.loads(headline.read_text())["vllm_sync_8b_s"]["device"] == "GPU X"
     assert "cut off" not in text
     assert "in_place   2->2    0.0500" in text and "in_place   1->1    0.2000" in text
+    assert "bf16/fp8kv" in text and "1.60x" in text.split("bf16/fp8kv")[1].splitlines()[0]
     assert "kernel time of step 5 (fp8, profiled)" in text and "kernels    900.0 ms: gemm 500, attention 400" in text
 
 

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# A multi-GPU host kept busy on every GPU, in the background so the work runs on between device calls
+# while the machine stays warm (each call may last 10 minutes; the machine is held for 30):
+#
+#   bash benchmarks/vllm_lanes.sh start      # install vLLM (bundle in /tmp/vb), build, start the lanes
+#   bash benchmarks/vllm_lanes.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
+#
+# First all GPUs together (ALL_ARGS; default: trainer TP=2 into vLLM at rollout TP 2 and 1,
+# tests/gpu/test_vllm_engine.py -k two_gpus, and the 8B sync at those layouts). Then one lane per GPU
+# side by side (LANE0_ARGS, LANE1_ARGS, ... up to the host's GPU count; once one is given, a lane
+# without arguments stays idle). Without any, two lanes:
+#   GPU 0: the vLLM decode benchmark, BF16 / FP8 / FP8+FP8-KV one after another on this one GPU
+#          (the FP8-over-BF16 ratios compare runs of the same GPU), with kernel profiles;
+#   GPU 1: the one-GPU vLLM tests (engine, RL loop), then the sync and the RL-step benchmarks.
+# Last, the table (benchmarks/bench_vllm.py table) with the headline figures.
+# The arguments are vllm_gpu.sh's; " ;; " between two sets runs vllm_gpu.sh once per set, in that
+# order, so a lane's own order is kept. ALL_ARGS=' ' skips the all-GPU phase.
+# Transformer Engine (issue 17): give one lane a `--with-te ...` run and carry the five .te_pK folders
+# of benchmarks/te_bundle.sh along the `wait` calls (the command is in te_bundle.sh's header).
+# The lanes share the host: each is pinned to its share of the CPU cores (taskset), since a
+# host-bound benchmark in one lane slows down while another compiles.
+set -uo pipefail
+lanes=/tmp/lanes
+case "${1:-}" in
+  start)
+    mkdir -p $lanes
+    # install and build once, in the foreground (the lanes would otherwise race for them)
+    JETRL_VLLM_OUT=/tmp/vllm_gpu_out/setup bash benchmarks/vllm_gpu.sh || exit 1
+    gpus=$(nvidia-smi -L | wc -l)
+    [ "$gpus" -ge 2 ] || { echo "vllm_lanes.sh needs 2 or more GPUs; use vllm_gpu.sh"; exit 1; }
+    all=${ALL_ARGS:-'--tests engine-two --sync in_place --sync-tp "2:2 2:1"'}
+    default_lane=("--decode bf16,fp8,fp8kv --profile" '--tests "engine rl" --sync in_place,update_weights,reload --step')
+    given=$(compgen -v | grep -E '^LANE[0-9]+_ARGS$')
+    [ -n "$given" ] && default_lane=()  # lanes named: the others stay idle
+    for v in $given; do
+      n=${v#LANE}; n=${n%_ARGS}
+      [ "$n" -lt "$gpus" ] || { echo "$v given, but this host has $gpus GPUs (lanes 0..$(( gpus - 1 )))"; exit 1; }
+    done
+    share=$(( $(nproc) / gpus ))
+    lane() {  # GPU, arguments with " ;; " between runs: one vllm_gpu.sh line per run
+      local cpus=""
+      command -v taskset >/dev/null && [ "$share" -ge 1 ] && cpus="taskset -c $(( $1 * share ))-$(( $1 * share + share - 1 ))"
+      echo "${2// ;; /$'\n'}" | while IFS= read -r run; do
+        echo "CUDA_VISIBLE_DEVICES=$1 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu$1 $cpus bash benchmarks/vllm_gpu.sh $run" \
+          ">>$lanes/gpu$1.log 2>&1 || rc=1"
+      done
+    }
+    {
+      echo "cd \"$PWD\""
+      echo "export PATH=\"$PATH\" PYTHONPATH=\"${PYTHONPATH:-}\" OUT="
+      echo "JETRL_VLLM_OUT=/tmp/vllm_gpu_out/all bash benchmarks/vllm_gpu.sh $all >$lanes/all.log 2>&1"
+      for g in $(seq 0 $(( gpus - 1 ))); do
+        v=LANE${g}_ARGS
+        args=${!v:-${default_lane[$g]:-}}
+        [ -n "${args// /}" ] || continue
+        echo "( rc=0"
+        lane "$g" "$args"
+        echo "  echo \"lane rc=\$rc\" >>$lanes/gpu$g.log ) &"
+      done
+      echo "wait"
+      echo "JETRL_VLLM_OUT=/tmp/vllm_gpu_out/table bash benchmarks/vllm_gpu.sh --table >$lanes/table.log 2>&1"
+      echo "touch $lanes/done"
+    } >$lanes/plan.sh
+    setsid nohup bash $lanes/plan.sh >$lanes/plan.log 2>&1 </dev/null &
+    echo "lanes started on $gpus GPUs (pid $!)"
+    ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-560} ))
+    while [ ! -f $lanes/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+    for f in $lanes/all.log $lanes/gpu*.log $lanes/table.log; do
+      [ -f "$f" ] && { echo "== $(basename "$f" .log)"; grep -vE "^\s*$" "$f" | tail -25; }
+    done
+    ls /tmp/bench_vllm 2>/dev/null | tr '\n' ' '; echo
+    [ -f $lanes/done ] && echo "ALL DONE" || echo "still running"
+    [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm lanes 2>/dev/null
+    true
+    ;;
+  *) echo "usage: vllm_lanes.sh start | wait SECONDS"; exit 2 ;;
+esac
