@@ -171,7 +171,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--modes", default="bf16,fp8", help=f"of {', '.join(MODES)}")
-    ap.add_argument("--logprob-impl", default="eager", choices=["eager", "compiled"],
+    ap.add_argument("--logprob-impl", default="compiled", choices=["eager", "compiled"],
                     help="actor.logprob_impl for every mode (the vocabulary logprob/entropy arithmetic)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true")

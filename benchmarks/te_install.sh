@@ -41,17 +41,31 @@ for f in m["files"]:
 print(f"te_install: {len(m['parts'])} parts and {len(m['files'])} files OK")
 PYEOF
 start=$(date +%s)
+rm -rf "$site"  # what an earlier, failed try left
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$work"/*.whl >"$log" 2>&1 \
   || { tail -20 "$log"; exit 1; }
 tar xzf "$work"/transformer_engine_torch-2.20.2.tar.gz -C "$work"
-# NVTE_BUILD_USE_NVIDIA_WHEELS: CUDA and cuDNN headers from the torch venv's nvidia-* wheels (the
-# toolkit has no cudnn.h); cudnn_frontend.h from the wheel just installed (found through $site).
+# CUDA headers from the toolkit (nvcc's): the torch venv's nvidia/cu13 wheel lacks crt/host_config.h,
+# so NVTE_BUILD_USE_NVIDIA_WHEELS=1 fails (seen 2026-11-26). cudnn.h, which the toolkit lacks, from the
+# nvidia-cudnn wheel through CPLUS_INCLUDE_PATH (searched after -I, so the toolkit's headers win);
+# cudnn_frontend.h from the wheel just installed (found through $site).
+cudnn_inc=$(python3 -c "import glob, nvidia
+h = [f for p in nvidia.__path__ for f in sorted(glob.glob(p + '/*/include/cudnn.h'))]
+print(h[0].rsplit('/', 1)[0] if h else '')")
+[ -n "$cudnn_inc" ] || { echo "te_install: no cudnn.h in the torch venv's nvidia-* wheels"; exit 1; }
 ( cd "$work/transformer_engine_torch-2.20.2" \
-  && PYTHONPATH="$site" NVTE_NO_LOCAL_VERSION=1 NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=1 NVTE_CUDA_ARCHS=90 \
+  && PYTHONPATH="$site" CPLUS_INCLUDE_PATH="$cudnn_inc" NVTE_NO_LOCAL_VERSION=1 NVTE_PYTORCH_FORCE_BUILD=TRUE \
+     NVTE_BUILD_USE_NVIDIA_WHEELS=0 NVTE_CUDA_ARCHS=90 \
      MAX_JOBS=16 python3 -m pip wheel -v --no-build-isolation --no-deps --no-index -w "$work/dist" . ) >>"$log" 2>&1 \
   || { echo "te_install: building transformer-engine-torch failed (log $log):"; tail -40 "$log"; exit 1; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$work"/dist/*.whl >>"$log" 2>&1 \
+# The built wheel puts its library into transformer_engine/wheel_lib/, a folder of the package
+# installed above: pip --target does not merge into an existing package folder (it warned and
+# skipped it, 2026-11-26), so install it apart and copy it in.
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$work/torch_ext" "$work"/dist/*.whl >>"$log" 2>&1 \
   || { tail -20 "$log"; exit 1; }
+cp -a "$work/torch_ext/." "$site/"
+ls "$site"/transformer_engine/wheel_lib/transformer_engine_torch*.so >/dev/null 2>&1 \
+  || { echo "te_install: the built wheel held no transformer_engine_torch library (log $log)"; exit 1; }
 PYTHONPATH="$site:${PYTHONPATH:-}" python3 -c "
 import torch, transformer_engine, transformer_engine.pytorch as te
 ok, why = te.is_fp8_block_scaling_available(return_reason=True)

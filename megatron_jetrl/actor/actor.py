@@ -52,6 +52,25 @@ from megatron_jetrl.models import ModelBridge
 from megatron_jetrl.precision import Fp8Weight, Shard
 from megatron_jetrl.precision.kv_cache import KvAmaxObserver, kv_scales_from_amax
 
+# FP8 training pads each rank's micro-batch to a multiple of 128 tokens. The WGrad GEMM contracts
+# over tokens: at other counts cuBLAS's blockwise GEMM needs both operands copied into zero-padded
+# buffers (precision/gemm.py), FProp and DGrad need their rows padded to 4, and the transposed
+# quantization falls back to byte stores (M % 16). In the 16-layer RL step (micro-batches of ~4K
+# tokens, arbitrary counts) that cost the FP8 update ~1 s of copies and made its quantization 4x
+# slower per token than in the aligned actor benchmark (2026-11-26). Transformer Engine refuses
+# other counts outright (a multiple of 16: ``assert_dim_for_fp8_exec``). At most 127 padding tokens.
+FP8_TOKEN_MULTIPLE = 128
+
+
+def token_multiple(settings: ActorSettings, sequence_parallel: bool) -> int:
+    """What each micro-batch's token count is padded to (with one masked padding sequence, its own
+    attention segment, dropped from the results): sequence parallelism splits the tokens over the
+    TP ranks, and FP8 training wants each rank's tokens a multiple of ``FP8_TOKEN_MULTIPLE``."""
+    multiple = settings.parallel.tp if sequence_parallel else 1
+    if settings.precision.train_fp8:
+        multiple *= FP8_TOKEN_MULTIPLE
+    return multiple
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -336,7 +355,7 @@ class Actor:
 
     def _micro_batches(self, batch: PackedBatch, groups: list[list[int]]) -> list[_MicroBatch]:
         """This rank's micro-batches (``groups`` of global sequence indices) on the device."""
-        pad = self.settings.parallel.tp if self.config.sequence_parallel else 1
+        pad = token_multiple(self.settings, self.config.sequence_parallel)
         out = []
         for indices in groups:
             sub = batch.select(indices)

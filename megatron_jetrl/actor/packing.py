@@ -93,15 +93,15 @@ def cu_seqlens_of(lens: Sequence[int]) -> torch.Tensor:
 def next_token_labels(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """labels[t] = tokens[t + 1] inside a sequence; 0 at each sequence's last position (no target)."""
     labels = torch.roll(tokens, -1)
-    labels[cu_seqlens[1:].to(tokens.device) - 1] = 0
-    return labels
+    # index_fill_ takes the 0 as a scalar argument; ``labels[idx] = 0`` would copy it to the device
+    # from pageable host memory first, which makes the host wait for the GPU
+    return labels.index_fill_(0, cu_seqlens[1:].to(tokens.device) - 1, 0)
 
 
 def align_to_tokens(per_position: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Move values computed at position t (for token t + 1) onto token t + 1; 0 at sequence starts."""
     out = torch.roll(per_position, 1)
-    out[cu_seqlens[:-1].to(per_position.device)] = 0
-    return out
+    return out.index_fill_(0, cu_seqlens[:-1].to(per_position.device), 0)  # no host copy of the 0
 
 
 def partition_for_data_parallel(seq_lens: Sequence[int], dp_size: int) -> list[list[int]]:

@@ -37,31 +37,39 @@ _op: Any = None
 
 
 def quantize_rows_op() -> Any:
-    """``torch.ops.jetrl.quantize_1x128_rows(x [M, K] bf16, pow2_scales, eps) -> (q [M, K] e4m3,
-    scale_inv [M, K/128] fp32, strides (1, M))``: ``ops.quantize_1x128`` as a torch custom op."""
+    """``torch.ops.jetrl.quantize_1x128_rows(x [M, K] bf16, pow2_scales, eps, m_align) -> (q [M, K]
+    e4m3, scale_inv [M, K/128] fp32, strides (1, M rounded up to m_align))``: ``ops.quantize_1x128``
+    as a torch custom op; ``m_align`` 4 gives the TMA-aligned scale layout DeepGEMM reads. The
+    aligned copy happens inside the op: traced by torch.compile, ``torch.empty_strided`` of a
+    symbolic shape failed (vLLM 0.26.0 + DeepGEMM, 2026-11-26)."""
     global _op
     if _op is None:
         from megatron_jetrl.ops.quantize import quantize_1x128
 
         @torch.library.custom_op("jetrl::quantize_1x128_rows", mutates_args=())
-        def quantize_1x128_rows(x: torch.Tensor, pow2_scales: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        def quantize_1x128_rows(x: torch.Tensor, pow2_scales: bool, eps: float,
+                                m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+            q, s = _empty_like_output(x, m_align)
             if x.shape[0] == 0:  # an empty batch: nothing to quantize, the layout of a real one
-                return _empty_like_output(x)
+                return q, s
             row, _ = quantize_1x128(x, rowwise=True, columnwise=False, pow2_scales=pow2_scales, eps=eps)
-            return row.data, row.scale_inv
+            if m_align == 1:
+                return row.data, row.scale_inv  # already column-major: strides (1, M)
+            return row.data, s.copy_(row.scale_inv)
 
         @quantize_1x128_rows.register_fake
-        def _(x: torch.Tensor, pow2_scales: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-            return _empty_like_output(x)
+        def _(x: torch.Tensor, pow2_scales: bool, eps: float, m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return _empty_like_output(x, m_align)
 
         _op = quantize_1x128_rows
     return _op
 
 
-def _empty_like_output(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _empty_like_output(x: torch.Tensor, m_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
+    stride = max((m + m_align - 1) // m_align * m_align, 1)
     return (torch.empty((m, k), dtype=E4M3, device=x.device),
-            torch.empty_strided((m, k // GROUP), (1, max(m, 1)), dtype=torch.float32, device=x.device))
+            torch.empty_strided((m, k // GROUP), (1, stride), dtype=torch.float32, device=x.device))
 
 
 def _registry() -> dict:
@@ -117,15 +125,11 @@ def install(pow2_scales: bool, eps: float) -> None:
             if x.dim() != 2 or x.shape[-1] % GROUP:
                 raise RuntimeError(f"activation of shape {list(x.shape)}: the trainer's 1x128 quantization "
                                    f"takes [tokens, K] with K a multiple of {GROUP}")
-            q, s = op(x.contiguous(), *options)
+            aligned = self.column_major_scales and self.tma_aligned_scales
+            q, s = op(x.contiguous(), *options, 4 if aligned else 1)
             if not self.column_major_scales:
                 return q, s.contiguous()
-            if not self.tma_aligned_scales:
-                return q, s  # already column-major: strides (1, M)
-            m = x.shape[0]
-            aligned = torch.empty_strided(s.shape, (1, (m + 3) // 4 * 4), dtype=s.dtype, device=s.device)
-            aligned.copy_(s)
-            return q, aligned
+            return q, s  # column-major: strides (1, M), or (1, M rounded up to 4) for TMA
 
     QuantFP8.register_oot(TrainerQuantFP8)
     TrainerQuantFP8.name = QuantFP8.name  # enabled / disabled by vLLM's own "+quant_fp8" setting

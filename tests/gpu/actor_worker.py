@@ -187,21 +187,28 @@ class Scenarios:
                 run = actor._run
 
                 def watched(micro_batches, *, forward_only, loss_func, run=run, seen=seen):
+                    """The forward under "error" (the first sync raises where it happens: its
+                    traceback is recorded, then the pass runs again unwatched); forward +
+                    backward under "warn" (every sync, by the Python line it surfaced at)."""
                     torch.cuda.synchronize()
+                    entry = seen["forward" if forward_only else "forward_backward"] = {
+                        "micro_batches": len(micro_batches), "syncs": [], "first_sync": None}
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
-                        torch.cuda.set_sync_debug_mode("warn")
+                        torch.cuda.set_sync_debug_mode("error" if forward_only else "warn")
                         try:
-                            out = run(micro_batches, forward_only=forward_only, loss_func=loss_func)
+                            return run(micro_batches, forward_only=forward_only, loss_func=loss_func)
+                        except RuntimeError as e:
+                            if "synchroniz" not in str(e):
+                                raise
+                            entry["syncs"].append("raised")
+                            entry["first_sync"] = traceback.format_exc()
                         finally:
                             torch.cuda.set_sync_debug_mode("default")
-                    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                             if "synchroniz" in str(w.message)]
-                    seen["forward" if forward_only else "forward_backward"] = {
-                        "micro_batches": len(micro_batches), "syncs": syncs}
-                    return out
+                            entry["syncs"] += [f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                               if "synchroniz" in str(w.message)]
+                    return run(micro_batches, forward_only=forward_only, loss_func=loss_func)
 
-                actor._run = watched
                 g = torch.Generator().manual_seed(3)
                 lens = [1900, 2100, 1500, 2500]
                 vocab = actor.bridge.dims.vocab_size
@@ -209,8 +216,10 @@ class Scenarios:
                     [torch.randint(0, vocab, (n,), generator=g) for n in lens],
                     loss_mask=[torch.ones(n) for n in lens],
                     advantages=[torch.full((n,), float(torch.randn((), generator=g))) for n in lens])
-                old = actor.compute_logprobs(batch, with_entropy=True).logprobs
-                batch.fields["old_logprobs"] = old
+                batch.fields["old_logprobs"] = actor.compute_logprobs(batch).logprobs
+                actor.update(batch, ppo_clip_loss)  # first calls (lazy CUDA state, compilation) unwatched
+                actor._run = watched
+                actor.compute_logprobs(batch, with_entropy=True)
                 actor.update(batch, ppo_clip_loss)
                 actor.close()
                 self.record(f"host_syncs/{mode}/{impl}", seen)

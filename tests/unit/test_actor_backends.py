@@ -48,3 +48,21 @@ def test_te_backend_contract(monkeypatch):
             check_te_backend(settings, num_layers=4)
         monkeypatch.setenv(name, value)
     assert check_te_backend(settings, num_layers=4) == te.megatron_kwargs
+
+
+def test_fp8_micro_batches_are_padded_to_whole_token_groups():
+    """FP8 training pads micro-batches to 128 tokens per rank: aligned GEMM operands (no padding
+    copies), the quantization's vector stores, and the token counts TE's FP8 GEMMs accept."""
+    from megatron_jetrl.actor.actor import token_multiple
+    from megatron_jetrl.models import ParallelLayout
+
+    def settings(mode, backend="native", tp=1):
+        return ActorSettings(precision=PrecisionRecipe(mode=mode), fp8_backend=backend,
+                             parallel=ParallelLayout(tp=tp, sequence_parallel=tp > 1))
+
+    assert token_multiple(settings("bf16"), False) == 1
+    assert token_multiple(settings("bf16", tp=2), True) == 2
+    assert token_multiple(settings("bf16-train+fp8-rollout"), False) == 1  # BF16 training
+    assert token_multiple(settings("fp8"), False) == 128
+    assert token_multiple(settings("fp8", "te"), False) == 128
+    assert token_multiple(settings("fp8", tp=2), True) == 256  # 128 tokens on each TP rank

@@ -117,3 +117,28 @@ def test_engine_checks_its_inputs_before_vllm(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_USE_DEEP_GEMM_E8M0", raising=False)
     with pytest.raises(ConfigError, match=r"VLLM_USE_DEEP_GEMM_E8M0=0"):
         VllmEngine(tiny_hf_model("Qwen3ForCausalLM").config.to_dict(), PrecisionRecipe())
+
+
+@pytest.mark.parametrize("m", [0, 5, 8, 9])
+def test_trainer_quant_op_gives_the_scale_layouts_vllm_asks_for(m):
+    """The op vLLM's QuantFP8 calls with activation_quant=trainer: the same codes and scales with
+    scale rows column-major (strides (1, M)) or TMA-aligned (M rounded up to 4, DeepGEMM), also when
+    torch.compile traces it with a symbolic M (its aligned copy once failed there)."""
+    import torch
+
+    from megatron_jetrl.precision import quantize_fp8_blockwise
+    from megatron_jetrl.rollout.vllm_quant import quantize_rows_op
+
+    op = quantize_rows_op()
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+    q1, s1 = op(x, False, 0.0, 1)
+    q4, s4 = op(x, False, 0.0, 4)
+    assert s1.stride() == (1, max(m, 1)) and s4.stride() == (1, max((m + 3) // 4 * 4, 1))
+    assert torch.equal(q1.view(torch.uint8), q4.view(torch.uint8)) and torch.equal(s1, s4)
+    if m:
+        ref_q, ref_s = quantize_fp8_blockwise(x, (1, 128))
+        assert torch.equal(q1.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s1, ref_s)
+    compiled = torch.compile(lambda t: op(t, False, 0.0, 4), dynamic=True, backend="eager")
+    qc, sc = compiled(x)
+    assert sc.stride() == s4.stride() and torch.equal(sc, s4)
+    torch.library.opcheck(op, (x, False, 0.0, 4))
