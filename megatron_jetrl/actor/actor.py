@@ -130,6 +130,7 @@ class Actor:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model.no_sync
         self.steps = 0
+        self._kv_observer: Optional[KvAmaxObserver] = None  # set inside _kv_observed
         self._reference: Optional[list[torch.Tensor]] = None
         self._memory = DeviceMemory()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -305,9 +306,11 @@ class Actor:
                               "the local layer spec's attention (Transformer Engine's is not instrumented)")
         for m in modules:
             m.kv_observer = observer
+        self._kv_observer = observer
         try:
             yield
         finally:
+            self._kv_observer = None
             for m in modules:
                 m.kv_observer = None
 
@@ -376,6 +379,8 @@ class Actor:
     def _run(self, micro_batches: list[_MicroBatch], *, forward_only: bool, loss_func) -> list[dict]:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self._kv_observer is not None:
+                self._kv_observer.tokens = mb.real_tokens  # not the padding sequence's q/k/v
             output = model(mb.tokens[None], None, None, packed_seq_params=mb.packed)
             return output, partial(loss_func, mb)
 

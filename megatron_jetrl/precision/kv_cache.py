@@ -69,10 +69,15 @@ class KvAmaxObserver:
     def __init__(self, num_layers: int, device: torch.device | str, tp_group=None):
         self.amax = torch.zeros(num_layers, len(KV_TENSORS), dtype=torch.float32, device=device)
         self.tp_group = tp_group
+        self.tokens: int | None = None
+        """Set per micro-batch by the actor: its real tokens; the rows after them (the padding
+        sequence that aligns the micro-batch) are left out."""
 
     def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """q, k, v as [tokens, heads, head_dim] (any leading token layout flattened by the caller):
         one TP all-reduce and one selection for the three."""
+        if self.tokens is not None:
+            q, k, v = q[: self.tokens], k[: self.tokens], v[: self.tokens]
         if q.shape[0] == 0:
             return
         a_3T = torch.stack([token_amax(q), token_amax(k), token_amax(v)])

@@ -44,3 +44,17 @@ def test_observer_keeps_the_max_over_micro_batches():
     obs.observe(1, q, 2 * q, 3 * q)
     obs.observe(1, 4 * q, q, q)
     assert obs.amax.tolist() == [[0, 0, 0], [4.0, 2.0, 3.0]]
+
+
+def test_observer_leaves_out_the_padding_sequence():
+    """The actor sets ``tokens`` per micro-batch: the rows of the padding sequence that aligns it
+    (token 0 from position 0) do not move the scales."""
+    obs = KvAmaxObserver(1, "cpu")
+    q = torch.ones(12, 2, 8)
+    q[10:] = 100.0  # the padding sequence's rows
+    obs.tokens = 10
+    obs.observe(0, q, q, q)
+    assert obs.amax.tolist() == [[1.0, 1.0, 1.0]]
+    obs.tokens = None
+    obs.observe(0, q, q, q)
+    assert obs.amax[0, 0] > 1.0
