@@ -308,6 +308,7 @@ def step_runs(args) -> dict:
                f"model.config.num_hidden_layers={args.step_layers}",
                f"rollout.sampling.max_new_tokens={args.step_response_len}",
                f"rollout.offload_actor={str(args.step_offload).lower()}",
+               *([f"actor.max_tokens_per_microbatch={args.step_mb_tokens}"] if args.step_mb_tokens else []),
                *([f"run.profile_steps=[{steps}]"] if args.profile else []), "--skip-memory-check"]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         t0 = time.perf_counter()
@@ -320,7 +321,7 @@ def step_runs(args) -> dict:
             continue
         results[mode] = summarise(metrics, untimed=(steps,) if args.profile else ())
         results[mode]["config"] = {"layers": args.step_layers, "response_len": args.step_response_len,
-                                   "offload_actor": args.step_offload}
+                                   "offload_actor": args.step_offload, "mb_tokens": args.step_mb_tokens or 4096}
         profile = run_dir / "profiles" / f"step_{steps}.json"
         if profile.is_file():
             results[mode]["profile"] = json.loads(profile.read_text())
@@ -388,7 +389,8 @@ def table(args) -> str:
     if step:
         conf = next(iter(step.values())).get("config", {"layers": 6, "response_len": 512})  # older runs: the defaults
         lines.append(f"\n== RL step with vLLM rollout, Qwen3-8B layer shapes ({conf['layers']} layers, responses "
-                     f"up to {conf['response_len']} tokens), mean s over steps 2.. ==")
+                     f"up to {conf['response_len']} tokens, micro-batches of {conf.get('mb_tokens', 4096)} tokens), "
+                     "mean s over steps 2.. ==")
         phases = ("generate", "logprobs", "update", "sync", "step")
         lines.append(f"{'mode':>8} " + " ".join(f"{p:>9}" for p in phases) + f" {'tok/s/GPU':>10} {'k3 KL':>9}")
         for mode, r in step.items():
@@ -438,6 +440,9 @@ def main(argv=None) -> int:
     p.add_argument("--step-modes", default="fp8,bf16", help=f"step: of {', '.join(STEP_MODES)}")
     p.add_argument("--step-layers", type=int, default=6, help="step: decoder layers at Qwen3-8B widths")
     p.add_argument("--step-response-len", type=int, default=512, help="step: max new tokens per response")
+    p.add_argument("--step-mb-tokens", type=int, default=None,
+                   help="step: actor.max_tokens_per_microbatch (the config's 4096 when not given; the 8B recipe "
+                        "uses 18432: fewer, larger micro-batches cut the per-micro-batch gradient accumulation)")
     p.add_argument("--step-offload", action="store_true",
                    help="step: rollout.offload_actor=true (the actor waits in host memory while vLLM generates)")
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -104,9 +104,11 @@ def test_the_step_runs_are_valid_jobs():
     # --step-layers / --step-response-len / --step-offload: a deeper model with longer responses
     deep = load_job(ROOT / "benchmarks/configs/qwen3_8b_dims.yaml",
                     [*bench_vllm.STEP_MODES["fp8kv"], "rollout.engine=vllm", "model.config.num_hidden_layers=16",
-                     "rollout.sampling.max_new_tokens=2048", "rollout.offload_actor=true"])
+                     "rollout.sampling.max_new_tokens=2048", "rollout.offload_actor=true",
+                     "actor.max_tokens_per_microbatch=16384"])  # --step-mb-tokens
     resolve(deep, 1)
     assert deep.rollout.offload_actor and deep.rollout.fp8_kv_cache and deep.longest_sequence > 2048
+    assert deep.actor.max_tokens_per_microbatch == 16384
 
 
 def test_model_shapes_and_the_lm_head_share():
