@@ -225,9 +225,8 @@ def _check_together(job: JobConfig) -> None:
     """Rules across sections (each section validated itself already)."""
     if job.actor.fp8_backend == "te" and job.precision.train_fp8:
         raise ConfigError("actor.fp8_backend", "te",
-                          "is not yet proven to hand the rollout engine its own FP8 bytes (its weight sync path has "
-                          "not run with Transformer Engine on a GPU: tests/gpu/test_te_backend.py); use "
-                          "actor.fp8_backend=native")
+                          "is not yet proven to hand the rollout engine its own FP8 bytes "
+                          "(tests/gpu/test_te_backend.py has not passed on a GPU yet); use actor.fp8_backend=native")
     if job.rollout.fp8_kv_cache and not job.precision.rollout_fp8:
         raise ConfigError("rollout.vllm.kv_cache_dtype", "fp8",
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
