@@ -49,13 +49,15 @@ def quantize_rows_op() -> Any:
         @torch.library.custom_op("jetrl::quantize_1x128_rows", mutates_args=())
         def quantize_1x128_rows(x: torch.Tensor, pow2_scales: bool, eps: float,
                                 m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
-            q, s = _empty_like_output(x, m_align)
             if x.shape[0] == 0:  # an empty batch: nothing to quantize, the layout of a real one
-                return q, s
+                return _empty_like_output(x, m_align)
             row, _ = quantize_1x128(x, rowwise=True, columnwise=False, pow2_scales=pow2_scales, eps=eps)
-            if m_align == 1:
-                return row.data, row.scale_inv  # already column-major: strides (1, M)
-            return row.data, s.copy_(row.scale_inv)
+            if m_align == 1 or x.shape[0] % m_align == 0:
+                return row.data, row.scale_inv  # column-major: strides (1, M), M already aligned
+            m, k = x.shape
+            aligned = torch.empty_strided((m, k // GROUP), (1, -(-m // m_align) * m_align), dtype=torch.float32,
+                                          device=x.device)
+            return row.data, aligned.copy_(row.scale_inv)
 
         @quantize_1x128_rows.register_fake
         def _(x: torch.Tensor, pow2_scales: bool, eps: float, m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
