@@ -36,7 +36,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_jetrl.actor import model as model_lib
-from megatron_jetrl.actor.layers import PackedCoreAttention, _Fp8LinearMixin
+from megatron_jetrl.actor.layers import PackedCoreAttention, _Fp8LinearMixin, attach_packed_positions
 from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs
 from megatron_jetrl.actor.memory import DeviceMemory, OffloadReport
 from megatron_jetrl.actor.packing import (
@@ -365,7 +365,7 @@ class Actor:
             real = sub.tokens.numel()
             sub = sub.padded_to(pad)
             cu = sub.cu_seqlens.to(self.device)
-            cu32 = cu.to(torch.int32)
+            cu32 = attach_packed_positions(cu.to(torch.int32), sub.tokens.numel())
             max_len = max(sub.seq_lens)
             tokens = sub.tokens.to(self.device, torch.int64)
             out.append(_MicroBatch(

@@ -12,8 +12,10 @@ pytest.importorskip("megatron.core")
 import megatron.core.transformer.attention as megatron_attention  # noqa: E402
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
 
+from megatron_jetrl.actor import layers  # noqa: E402
 from megatron_jetrl.actor.layers import (  # noqa: E402
     apply_rotary_pos_emb_packed,
+    attach_packed_positions,
     local_layer_spec,
     packed_positions,
 )
@@ -61,3 +63,24 @@ def test_other_cases_are_megatrons_and_the_spec_installs_it():
                        apply_rotary_pos_emb(s_b, freqs, CONFIG, cp_group=ONE_RANK))
     local_layer_spec(qk_layernorm=True, fp8=False)
     assert megatron_attention.apply_rotary_pos_emb is apply_rotary_pos_emb_packed
+
+
+def test_positions_attached_once_per_micro_batch_serve_every_layer(monkeypatch):
+    """The actor attaches the positions to the micro-batch's cu_seqlens; each layer's q and k RoPE
+    reads them (the same values as computing them again) and no layer recomputes them."""
+    g = torch.Generator().manual_seed(0)
+    cu = attach_packed_positions(torch.tensor([0, 5, 6, 13], dtype=torch.int32), 13)
+    freqs = rope_freqs(7, 32)
+    t = torch.randn(13, 2, 32, generator=g)
+    fresh = torch.tensor([0, 5, 6, 13], dtype=torch.int32)  # nothing attached: computed per call
+    want = apply_rotary_pos_emb_packed(t, freqs, CONFIG, cu_seqlens=fresh, cp_group=ONE_RANK)
+    calls = []
+    monkeypatch.setattr(layers, "packed_positions", lambda *a: calls.append(a) or packed_positions(*a))
+    for _ in range(4):  # q and k of two layers
+        assert torch.equal(apply_rotary_pos_emb_packed(t, freqs, CONFIG, cu_seqlens=cu, cp_group=ONE_RANK), want)
+    assert calls == []
+    # a cu_seqlens whose attached positions do not fit these tokens is not trusted
+    stale = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    stale.jetrl_positions = torch.zeros(5, dtype=torch.int64)
+    assert torch.equal(apply_rotary_pos_emb_packed(t, freqs, CONFIG, cu_seqlens=stale, cp_group=ONE_RANK), want)
+    assert len(calls) == 1
