@@ -54,10 +54,7 @@ def quantize_rows_op() -> Any:
             row, _ = quantize_1x128(x, rowwise=True, columnwise=False, pow2_scales=pow2_scales, eps=eps)
             if m_align == 1 or x.shape[0] % m_align == 0:
                 return row.data, row.scale_inv  # column-major: strides (1, M), M already aligned
-            m, k = x.shape
-            aligned = torch.empty_strided((m, k // GROUP), (1, -(-m // m_align) * m_align), dtype=torch.float32,
-                                          device=x.device)
-            return row.data, aligned.copy_(row.scale_inv)
+            return row.data, _empty_scales(x, m_align).copy_(row.scale_inv)
 
         @quantize_1x128_rows.register_fake
         def _(x: torch.Tensor, pow2_scales: bool, eps: float, m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +65,14 @@ def quantize_rows_op() -> Any:
 
 
 def _empty_like_output(x: torch.Tensor, m_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(x.shape, dtype=E4M3, device=x.device), _empty_scales(x, m_align)
+
+
+def _empty_scales(x: torch.Tensor, m_align: int) -> torch.Tensor:
+    """[M, K/128] fp32, column-major with M rounded up to ``m_align`` as the column stride."""
     m, k = x.shape
     stride = max((m + m_align - 1) // m_align * m_align, 1)
-    return (torch.empty((m, k), dtype=E4M3, device=x.device),
-            torch.empty_strided((m, k // GROUP), (1, stride), dtype=torch.float32, device=x.device))
+    return torch.empty_strided((m, k // GROUP), (1, stride), dtype=torch.float32, device=x.device)
 
 
 def _registry() -> dict:
