@@ -205,8 +205,8 @@ class Scenarios:
                             entry["first_sync"] = traceback.format_exc()
                         finally:
                             torch.cuda.set_sync_debug_mode("default")
-                            entry["syncs"] += [f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                                               if "synchroniz" in str(w.message)]
+                            entry["syncs"] += [f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:160]}"
+                                               for w in caught if "synchroniz" in str(w.message)]
                     return run(micro_batches, forward_only=forward_only, loss_func=loss_func)
 
                 g = torch.Generator().manual_seed(3)
@@ -216,8 +216,20 @@ class Scenarios:
                     [torch.randint(0, vocab, (n,), generator=g) for n in lens],
                     loss_mask=[torch.ones(n) for n in lens],
                     advantages=[torch.full((n,), float(torch.randn((), generator=g))) for n in lens])
-                batch.fields["old_logprobs"] = actor.compute_logprobs(batch).logprobs
-                actor.update(batch, ppo_clip_loss)  # first calls (lazy CUDA state, compilation) unwatched
+                # The first calls, unwatched: lazy CUDA state, and torch.compile's first compilation of
+                # each logprob chunk function (inductor's constant folding reads a scalar to the host,
+                # once per compilation: seen 2026-11-26). Run under "warn" with their syncs recorded
+                # apart, not asserted, so the debug-mode switch itself has been made once too.
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        batch.fields["old_logprobs"] = actor.compute_logprobs(batch, with_entropy=True).logprobs
+                        actor.update(batch, ppo_clip_loss)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                seen["warm_up"] = [f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                   if "synchroniz" in str(w.message)]
                 actor._run = watched
                 actor.compute_logprobs(batch, with_entropy=True)
                 actor.update(batch, ppo_clip_loss)
