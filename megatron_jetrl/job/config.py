@@ -223,10 +223,12 @@ def load_job(path: str | Path | None, overrides: Sequence[str] = (), *, raw: Map
 
 def _check_together(job: JobConfig) -> None:
     """Rules across sections (each section validated itself already)."""
-    if job.actor.fp8_backend == "te" and job.precision.train_fp8:
+    if job.actor.fp8_backend == "te" and job.precision.train_fp8 and job.rollout.fp8_kv_cache:
+        # the per-step q/k/v scales come from the local layer spec's attention (actor.py: _kv_observed)
         raise ConfigError("actor.fp8_backend", "te",
-                          "is not yet proven to hand the rollout engine its own FP8 bytes "
-                          "(tests/gpu/test_te_backend.py has not passed on a GPU yet); use actor.fp8_backend=native")
+                          "cannot calibrate an FP8 KV cache (its per-step q/k/v scales come from the native "
+                          "backend's attention; Transformer Engine's is not instrumented): use "
+                          "actor.fp8_backend=native, or rollout.vllm.kv_cache_dtype=auto")
     if job.rollout.fp8_kv_cache and not job.precision.rollout_fp8:
         raise ConfigError("rollout.vllm.kv_cache_dtype", "fp8",
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")

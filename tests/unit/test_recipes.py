@@ -3,7 +3,6 @@ plan, in FP8 and in the one-key BF16/FP16 variants; a layout that does not fit i
 with what to change. Only the paths are overridden: a model directory holding the shipped
 config.json (examples/configs/models/) and a stand-in tokenizer, and DAPO-schema JSONL data."""
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -144,12 +143,18 @@ def test_backend_env_follows_the_recipe(paths):
     assert backend_env(deep, resolve(deep, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "1"}
     hf = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "precision.fp8.pow2_scales=true",
                                                "rollout.engine=hf"])
-    # a te job is refused at load time until its sync path has run with TE on a GPU; backend_env's part for it
-    te = dataclasses.replace(hf, actor=dataclasses.replace(hf.actor, fp8_backend="te"))
+    assert backend_env(hf, resolve(hf, 8)) == {}  # native backend, hf engine: nothing to set
+    te = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "precision.fp8.pow2_scales=true",
+                                               "rollout.engine=hf", "actor.fp8_backend=te"])
     assert backend_env(te, resolve(te, 8)) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
-    with pytest.raises(ConfigError, match="actor.fp8_backend.*use actor.fp8_backend=native"):
-        load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te"])
-    load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te", "precision.mode=bf16"])
+    te_vllm = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te"])
+    assert backend_env(te_vllm, resolve(te_vllm, 8)) == {
+        "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "0"}
+    # what te cannot do yet is refused when the config loads: the FP8 KV cache's per-step scales
+    with pytest.raises(ConfigError, match="actor.fp8_backend.*kv_cache_dtype=auto"):
+        load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te",
+                                               "rollout.vllm.kv_cache_dtype=fp8"])
+    load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "rollout.vllm.kv_cache_dtype=fp8"])
 
 
 def test_check_plans_before_the_download_and_train_refuses(tmp_path, capsys, monkeypatch):
