@@ -363,8 +363,10 @@ def table(args) -> str:
         target = args.headline_case
         if "bf16" in decode and target in decode["bf16"]["cases"]:
             base = decode["bf16"]["cases"][target]["tok_s"]
-            for m, key in (("fp8", "vllm_decode_fp8_over_bf16"), ("fp8kv", "vllm_decode_fp8kv_over_bf16")):
+            # CUTLASS (the engine's default FP8 GEMM) under the keys; DeepGEMM under its own
+            for m in ("fp8", "fp8kv", "fp8-deep_gemm", "fp8kv-deep_gemm"):
                 if m in decode and target in decode[m]["cases"]:
+                    key = f"vllm_decode_{m.replace('-', '_')}_over_bf16"
                     headline[key] = decode[m]["cases"][target]["tok_s"] / base
         for m, d in decode.items():
             if "profile" in d:

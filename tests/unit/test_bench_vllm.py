@@ -43,7 +43,7 @@ def test_table_ratios_and_headline(tmp_path):
     (work / "decode_bf16.json").write_text(json.dumps(_decode("bf16", {"256x512": 1000.0, "256x4096": 500.0})))
     (work / "decode_fp8.json").write_text(json.dumps(_decode("fp8", {"256x512": 1100.0, "256x4096": 600.0})))
     (work / "decode_fp8kv.json").write_text(json.dumps(_decode("fp8kv", {"256x512": 1200.0, "256x4096": 800.0})))
-    (work / "decode_fp8-deep_gemm.json").write_text(  # its own column; not the headline's
+    (work / "decode_fp8-deep_gemm.json").write_text(  # its own column and headline key
         json.dumps(_decode("fp8", {"256x512": 1150.0, "256x4096": 700.0})))
     (work / "sync_in_place.json").write_text(json.dumps(
         {"path": "in_place", "total_s": 0.2, "engine_gb": 10.0, "floor_s": 0.1, "in_place_tensors": 5,
@@ -66,7 +66,8 @@ def test_table_ratios_and_headline(tmp_path):
     assert "1.20x" in text and "1.60x" in text  # 256x4096: fp8 600/500, fp8kv 800/500
     assert "fp8-deep_gemm/bf16" in text and "1.40x" in text  # DeepGEMM 700/500
     got = {k: v["value"] for k, v in json.loads(headline.read_text()).items()}
-    assert got == {"vllm_decode_fp8_over_bf16": 1.2, "vllm_decode_fp8kv_over_bf16": 1.6, "vllm_sync_8b_s": 0.2,
+    assert got == {"vllm_decode_fp8_over_bf16": 1.2, "vllm_decode_fp8kv_over_bf16": 1.6,
+                   "vllm_decode_fp8_deep_gemm_over_bf16": 1.4, "vllm_sync_8b_s": 0.2,
                    "rl_step_vllm_fp8_over_bf16": 1.25, "rl_step_vllm_fp8kv_over_bf16": 1.6}
     assert json.loads(headline.read_text())["vllm_sync_8b_s"]["device"] == "GPU X"
     assert "cut off" not in text
