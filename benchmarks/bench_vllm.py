@@ -320,13 +320,24 @@ def step_runs(args) -> dict:
             print("\n".join((Path(args.work) / f"step_{mode}.log").read_text(errors="replace").splitlines()[-40:]))
             continue
         results[mode] = summarise(metrics, untimed=(steps,) if args.profile else ())
-        results[mode]["config"] = {"layers": args.step_layers, "response_len": args.step_response_len,
-                                   "offload_actor": args.step_offload, "mb_tokens": args.step_mb_tokens or 4096}
+        results[mode]["config"] = step_config(run_dir)
         profile = run_dir / "profiles" / f"step_{steps}.json"
         if profile.is_file():
             results[mode]["profile"] = json.loads(profile.read_text())
     (Path(args.work) / "step.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+def step_config(run_dir: Path) -> dict:
+    """What the table names of a step run, read from the config the run resolved (run_dir/config.yaml,
+    written by ``jetrl train``), not restated from the benchmark's arguments and the YAML's defaults."""
+    import yaml
+
+    job = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return {"layers": job["model"]["config"]["num_hidden_layers"],
+            "response_len": job["rollout"]["sampling"]["max_new_tokens"],
+            "offload_actor": job["rollout"]["offload_actor"],
+            "mb_tokens": job["actor"]["max_tokens_per_microbatch"]}
 
 
 # ------------------------------------------------------------------------------------------ table

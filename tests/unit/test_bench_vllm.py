@@ -112,6 +112,19 @@ def test_the_step_runs_are_valid_jobs():
     assert deep.actor.max_tokens_per_microbatch == 16384
 
 
+def test_the_step_table_names_what_the_run_resolved(tmp_path):
+    """step_config reads the run's own config.yaml (as ``jetrl train`` writes it), defaults included."""
+    from megatron_jetrl.cli import _write_config
+    from megatron_jetrl.job import load_job
+
+    job = load_job(ROOT / "benchmarks/configs/qwen3_8b_dims.yaml",
+                   ["model.config.num_hidden_layers=16", "rollout.sampling.max_new_tokens=2048",
+                    "rollout.offload_actor=true"])  # micro-batch tokens: the YAML's own
+    _write_config(tmp_path, job)
+    assert bench_vllm.step_config(tmp_path) == {"layers": 16, "response_len": 2048, "offload_actor": True,
+                                                "mb_tokens": job.actor.max_tokens_per_microbatch}
+
+
 def test_model_shapes_and_the_lm_head_share():
     """The step benchmark's models build and the LM head's FLOP share is what the shapes give:
     per layer 4096 x (4096 + 2 x 1024) + 4096 x 4096 + 3 x 12288 x 4096 MACs for Qwen3-8B."""
