@@ -11,7 +11,8 @@
 # --sync-tp: train:rollout TP layouts for --sync (default 1:1; more than one GPU runs under torchrun).
 # --step-modes fp8,bf16,mixed,fp8-vq: the RL-step modes (implies --step); --profile also profiles
 # one more step of each (run.profile_steps). --step-args "ARGS": more bench_vllm.py step arguments,
-# e.g. "--step-layers 16 --step-response-len 2048 --step-offload --step-mb-tokens 16384".
+# e.g. "--step-layers 16 --step-response-len 2048 --step-offload --step-mb-tokens 8192" (16384 ran out of
+# memory on an H200 at 16 layers beside vLLM at 0.3 of the GPU, 2026-11-26).
 # --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
 # ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM), or a test file.
 # --actor "ARGS": the actor-step benchmark (issue 16; ARGS are bench_actor_step.py's), torchrun on one
