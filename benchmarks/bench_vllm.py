@@ -45,12 +45,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_quant)
-    "bf16": ("bf16", "auto", "trainer"),
-    "fp8": ("fp8", "auto", "trainer"),  # the default: the trainer's activation quantization inside vLLM
-    "fp8kv": ("fp8", "fp8", "trainer"),
-    "fp8-vq": ("fp8", "auto", "vllm"),  # vLLM's own activation quantization (and its fusions)
-    "fp8kv-vq": ("fp8", "fp8", "vllm"),
+MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_quant, precision.exact)
+    "bf16": ("bf16", "auto", "trainer", False),
+    "fp8": ("fp8", "auto", "trainer", False),  # the default: the trainer's activation quantization inside vLLM
+    "fp8kv": ("fp8", "fp8", "trainer", False),
+    "fp8-vq": ("fp8", "auto", "vllm", False),  # vLLM's own activation quantization (and its fusions)
+    "fp8kv-vq": ("fp8", "fp8", "vllm", False),
+    "fp8-exact": ("fp8", "auto", "trainer", True),  # the exact rollout: batch-invariant kernels, the trainer's ops
+    "bf16-exact": ("bf16", "auto", "trainer", True),
 }
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, DeepGEMM, FlashAttention 3, vLLM's ops
     # vLLM's KV-cache write is "reshape_and_cache_flash": first; FlashAttention 3 kernels are
@@ -73,16 +75,22 @@ def _device() -> str:
 # ------------------------------------------------------------------------------------------ children
 
 
-def _launch_env(args) -> dict[str, str]:
+def _launch_env(args, mode: str = "fp8") -> dict[str, str]:
     """One process as torchrun would start it (vLLM's external launcher reads these), with the
-    variables vLLM must see for the FP8 recipe and kernel (what ``jetrl train`` sets)."""
+    variables vLLM must see for ``mode``'s recipe and the FP8 kernel (what ``jetrl train`` sets)."""
     from megatron_jetrl.launch import free_port
-    from megatron_jetrl.precision import PrecisionRecipe
     from megatron_jetrl.rollout.vllm_engine import VllmOptions, engine_env
 
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            **engine_env(PrecisionRecipe(), VllmOptions(fp8_gemm=args.fp8_gemm))}
+            **engine_env(_recipe(mode), VllmOptions(fp8_gemm=args.fp8_gemm))}
+
+
+def _recipe(mode: str):
+    from megatron_jetrl.precision import PrecisionRecipe
+
+    precision, _, _, exact = MODES[mode]
+    return PrecisionRecipe(mode=precision, exact=exact)
 
 
 def _engine(mode: str, args, **overrides):
@@ -91,14 +99,13 @@ def _engine(mode: str, args, **overrides):
     import torch.distributed as dist
 
     from benchmarks.model_shapes import qwen3_8b_shaped
-    from megatron_jetrl.precision import PrecisionRecipe
     from megatron_jetrl.rollout.vllm_engine import VllmEngine, VllmOptions
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl")
-    precision, kv, activation_quant = MODES[mode]
-    recipe = PrecisionRecipe(mode=precision)
+    _, kv, activation_quant, _ = MODES[mode]
+    recipe = _recipe(mode)
     options = VllmOptions(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                           max_model_len=args.prompt_len + args.max_len, kv_cache_dtype=kv,
                           activation_quant=activation_quant,
@@ -157,13 +164,18 @@ def decode_child(args) -> dict:
     for case in args.cases.split(","):
         b, t = (int(x) for x in case.split("x"))
         prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=g).tolist()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=t, seed=1))
-        wall = time.perf_counter() - t0
-        assert all(len(s.tokens) == t for s in samples), "a sample stopped early"
-        out["cases"][case] = {"batch": b, "tokens": t, "wall_s": wall, "tok_s": b * t / wall}
-        print(f"[{args.mode}] {case}: {b * t / wall:.0f} tok/s ({wall:.1f} s)", flush=True)
+        walls = []
+        for _ in range(args.repeats):  # the same prompts each time: the same work
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=t, seed=1))
+            walls.append(time.perf_counter() - t0)
+            assert all(len(s.tokens) == t for s in samples), "a sample stopped early"
+        wall = statistics.median(walls)
+        out["cases"][case] = {"batch": b, "tokens": t, "wall_s": wall, "tok_s": b * t / wall,
+                              "tok_s_repeats": [b * t / w for w in walls]}
+        print(f"[{args.mode}] {case}: {b * t / wall:.0f} tok/s (median of {len(walls)}, "
+              f"{min(walls):.1f}-{max(walls):.1f} s)", flush=True)
         args.result.write_text(json.dumps({**out, "complete": False}, indent=1))  # kept if a later case is cut off
     if args.profile:
         out["profile"] = profile_decode(engine, vocab, args.prompt_len)
@@ -254,7 +266,7 @@ def run_child(kind: str, args, extra: list[str], *, name: str | None = None, gpu
     writes the result) and return its JSON, or None."""
     name = name or extra[0]
     out = Path(args.work) / f"{kind}_{name}.json"
-    env = {**os.environ, **_launch_env(args), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **_launch_env(args, extra[0] if kind == "decode" else "fp8"), "PYTHONUNBUFFERED": "1"}
     script = [__file__, "_child", kind, *extra, "--result", str(out), *_common(args)]
     if gpus == 1:
         cmd = [sys.executable, *script]
@@ -276,7 +288,7 @@ def run_child(kind: str, args, extra: list[str], *, name: str | None = None, gpu
 def _common(args) -> list[str]:
     return ["--layers", str(args.layers), "--prompt-len", str(args.prompt_len), "--max-len", str(args.max_len),
             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-num-seqs", str(args.max_num_seqs),
-            "--fp8-gemm", args.fp8_gemm]
+            "--fp8-gemm", args.fp8_gemm, "--repeats", str(args.repeats)]
 
 
 # ------------------------------------------------------------------------------------------ RL step
@@ -288,6 +300,7 @@ STEP_MODES = {  # name -> jetrl train overrides
     "mixed": ["precision.mode=bf16-train+fp8-rollout"],  # the off-policy recipe, for its mismatch
     "fp8-vq": ["precision.mode=fp8", "rollout.vllm.activation_quant=vllm"],  # vLLM's own quantization
     "fp8kv": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8"],  # + the FP8 KV cache, trainer's scales
+    "fp8-exact": ["precision.mode=fp8", "precision.exact=true"],  # exact rollout: no recompute pass
 }
 
 
@@ -379,6 +392,9 @@ def table(args) -> str:
                 if m in decode and target in decode[m]["cases"]:
                     key = f"vllm_decode_{m.replace('-', '_')}_over_bf16"
                     headline[key] = decode[m]["cases"][target]["tok_s"] / base
+        if all(m in decode and target in decode[m]["cases"] for m in ("fp8", "fp8-exact")):
+            headline["vllm_exact_decode_over_default"] = (decode["fp8-exact"]["cases"][target]["tok_s"]
+                                                          / decode["fp8"]["cases"][target]["tok_s"])
         for m, d in decode.items():
             if "profile" in d:
                 p = d["profile"]
@@ -415,6 +431,9 @@ def table(args) -> str:
             if mode in ("fp8", "fp8kv"):  # the product's two FP8 rollouts (weights; weights + KV cache)
                 ratio = step["bf16"]["seconds"]["step"] / step[mode]["seconds"]["step"]
                 headline[f"rl_step_vllm_{mode}_over_bf16"] = ratio
+        if "fp8" in step and "fp8-exact" in step:
+            headline["rl_step_exact_over_default"] = (step["fp8"]["seconds"]["step"]
+                                                      / step["fp8-exact"]["seconds"]["step"])
         for mode, r in step.items():
             if "profile" in r:
                 prof = r["profile"]
@@ -464,6 +483,7 @@ def main(argv=None) -> int:
     p.add_argument("--train-tp", type=int, default=1, help="sync: the trainer's TP (GPUs: max of the two TPs)")
     p.add_argument("--rollout-tp", type=int, default=1, help="sync: vLLM's TP")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3, help="decode: timed generate calls per case (median)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--headline-case", default="256x4096")
     p.add_argument("--headline", type=Path)

@@ -1,6 +1,6 @@
 """The headline figures in docs/results/headline.json: one object per key with the value, the device
 it was measured on, the command that measured it and the date. Benchmarks write them; nobody types
-them.
+them. Values keep five significant digits (a KL of 2.3e-7 stays 2.3e-7).
 
     update(path, {"vllm_sync_8b_s": 0.021}, device="NVIDIA H100 80GB HBM3", command="...")
 
@@ -25,7 +25,7 @@ def update(path: str | Path, values: Mapping[str, float], *, device: str, comman
     for key, value in values.items():
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"headline {key}: {value!r} is not a finite number")
-        data[key] = {"value": round(float(value), 4), "device": device, "command": command, "date": date}
+        data[key] = {"value": float(f"{float(value):.5g}"), "device": device, "command": command, "date": date}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")

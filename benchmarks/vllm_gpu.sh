@@ -14,7 +14,10 @@
 # e.g. "--step-layers 16 --step-response-len 2048 --step-offload --step-mb-tokens 8192" (16384 ran out of
 # memory on an H200 at 16 layers beside vLLM at 0.3 of the GPU, 2026-11-26).
 # --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
-# ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM), or a test file.
+# ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM), exact (the exact
+# rollout's tests; exact-tiny / exact-8b: at the tiny model's or Qwen3-8B's widths), or a test file.
+# --ablation "ARGS": benchmarks/exact_ablation.py all ARGS (e.g. "--models tiny,8b6 --runs exact:fp8"),
+# results in /tmp/exact_ablation, its table last.
 # --actor "ARGS": the actor-step benchmark (issue 16; ARGS are bench_actor_step.py's), torchrun on one
 # GPU; repeatable. --linear: the FP8 linear benchmark, its headline key into /tmp/bench_vllm/headline_linear.json.
 # --with-te: Transformer Engine for this run only (waits up to 20 min for the five .te_pK folders the
@@ -24,7 +27,7 @@
 #   carrying call K (1-5): mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK
 set -uo pipefail
 tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=cutlass
-sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 with_te=0 step_args=""
+sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 with_te=0 step_args="" ablation=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift ;;
@@ -41,6 +44,7 @@ while [ $# -gt 0 ]; do
     --linear) linear=1 ;;
     --with-te) with_te=1 ;;
     --step-args) step_args="$2"; step=1; shift ;;
+    --ablation) ablation="$2"; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
   shift
@@ -77,6 +81,9 @@ for t in $tests; do
     engine-rest) f=tests/gpu/test_vllm_engine.py; k="not two_gpus and not logprobs_match and not kv_cache_takes" ;;
     engine-two) f=tests/gpu/test_vllm_engine.py; k="two_gpus" ;;
     rl) f=tests/gpu/test_rl_loop.py; k="vllm" ;;
+    exact) f=tests/gpu/test_exact.py; k="" ;;
+    exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths" ;;
+    exact-8b) f=tests/gpu/test_exact.py; k="8b_widths" ;;
     *) f=$t; k="" ;;
   esac
   t0=$(date +%s) name=$(basename "$t" .py); [ "$t" = "${t#engine-}" ] || name=$t
@@ -106,6 +113,14 @@ for i in "${!actor[@]}"; do
   grep -v -i -E "warn|^W[0-9]|\*\*\*|^\[rank|^\[bench" "$out/actor_$i.log" | tail -40
 done
 
+if [ -n "$ablation" ]; then
+  t0=$(date +%s)
+  # shellcheck disable=SC2086  # ablation holds arguments
+  python3 benchmarks/exact_ablation.py all $ablation --work /tmp/exact_ablation >"$out/exact_ablation.log" 2>&1
+  r=$?; [ $r -eq 0 ] || rc=$r
+  echo "exact ablation ($ablation): rc=$r in $(( $(date +%s) - t0 )) s"; tail -60 "$out/exact_ablation.log"
+fi
+
 bench=(python3 benchmarks/bench_vllm.py --fp8-gemm "$gemm")
 [ -n "$decode" ] && { "${bench[@]}" decode --modes "$decode" --cases "$cases" $profile || rc=1; }
 for layout in $sync_tp; do
@@ -117,6 +132,6 @@ if [ $table -eq 1 ]; then
   mkdir -p /tmp/bench_vllm && cp docs/results/headline.json /tmp/bench_vllm/headline.json 2>/dev/null
   "${bench[@]}" table --headline /tmp/bench_vllm/headline.json
 fi
-[ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm 2>/dev/null
+[ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm exact_ablation 2>/dev/null
 echo "vllm_gpu rc=$rc"
 exit $rc

@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/vllm_lanes.sh start      # install vLLM (bundle in /tmp/vb), build, start the lanes
 #   bash benchmarks/vllm_lanes.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
+#   bash benchmarks/vllm_lanes.sh run 2 "--tests exact-tiny"   # one more run on GPU 2, in the background
 #
 # First all GPUs together (ALL_ARGS; default: trainer TP=2 into vLLM at rollout TP 2 and 1,
 # tests/gpu/test_vllm_engine.py -k two_gpus, and the 8B sync at those layouts). Then one lane per GPU
@@ -64,16 +65,25 @@ case "${1:-}" in
     setsid nohup bash $lanes/plan.sh >$lanes/plan.log 2>&1 </dev/null &
     echo "lanes started on $gpus GPUs (pid $!)"
     ;;
+  run)  # one more run on a GPU whose lane is done, in the background: vllm_lanes.sh run GPU "ARGS"
+    [ -f $lanes/plan.sh ] || { echo "start the lanes first"; exit 1; }
+    n=$(ls $lanes/extra*.log 2>/dev/null | wc -l)
+    # shellcheck disable=SC2016  # expanded by the started shell
+    setsid nohup bash -c "cd '$PWD' && CUDA_VISIBLE_DEVICES=$2 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/extra$n \
+      bash benchmarks/vllm_gpu.sh $3 >$lanes/extra$n.log 2>&1; echo \"lane rc=\$?\" >>$lanes/extra$n.log" \
+      >/dev/null 2>&1 </dev/null &
+    echo "extra run $n on GPU $2: $3"
+    ;;
   wait)
     end=$(( $(date +%s) + ${2:-560} ))
     while [ ! -f $lanes/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
-    for f in $lanes/all.log $lanes/gpu*.log $lanes/table.log; do
+    for f in $lanes/all.log $lanes/gpu*.log $lanes/extra*.log $lanes/table.log; do
       [ -f "$f" ] && { echo "== $(basename "$f" .log)"; grep -vE "^\s*$" "$f" | tail -25; }
     done
     ls /tmp/bench_vllm 2>/dev/null | tr '\n' ' '; echo
     [ -f $lanes/done ] && echo "ALL DONE" || echo "still running"
-    [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm lanes 2>/dev/null
+    [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm exact_ablation lanes 2>/dev/null
     true
     ;;
-  *) echo "usage: vllm_lanes.sh start | wait SECONDS"; exit 2 ;;
+  *) echo "usage: vllm_lanes.sh start | wait SECONDS | run GPU ARGS"; exit 2 ;;
 esac

@@ -3,6 +3,7 @@
 
 #include "copy_segments.h"
 #include "quantize.h"
+#include "rms_norm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron-jetrl kernels: fused FP8 E4M3 block quantization, batched 2-D byte copies";
@@ -12,5 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("with_transpose"), py::arg("pow2_scales"), py::arg("eps"));
   m.def("copy_segments", &jetrl::copy_segments, "batched 2-D byte copies (int64 table [S, 8], see copy_segments.h)",
         py::arg("srcs"), py::arg("dsts"), py::arg("table"));
+  m.def("rms_norm", &jetrl::rms_norm, "batch-invariant RMSNorm, fixed reduction order (see rms_norm.h)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("with_cuda", &jetrl::with_cuda, "whether the CUDA kernels were compiled in");
 }

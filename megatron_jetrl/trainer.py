@@ -6,8 +6,10 @@
     advantages group-relative, from the rewards
     logprobs   engine asleep, actor on the GPU: the trainer's log π_old of every response token
                (and the FP8 KV-cache scales), mismatch metrics against the engine's logprobs,
-               rollout correction weights
-    update     one optimizer step with the policy loss (on-policy)
+               rollout correction weights; skipped with an exact rollout (``precision.exact``),
+               whose logprobs are the trainer's bit for bit: they are π_old
+    update     one optimizer step with the policy loss (on-policy); with an exact rollout the
+               mismatch metrics come from this step's own forward (the rollout's weights)
     sync       the trainer's weights (its own FP8 bytes and scales) into the engine
     evaluate   every run.eval_every steps
 
@@ -139,7 +141,7 @@ class Trainer:
             batch, extra, kv_scales = self.prepare_update(batch)
         metrics.update(extra)
         with self._phase("update"):
-            metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch, self.loss_fn).items()})
+            metrics.update(self.update(batch))
         with self._phase("sync"):
             self.sync_weights(kv_scales)
         seconds = self.timer.seconds
@@ -212,15 +214,16 @@ class Trainer:
         return groups, sum(p[1] for p in parts), sum(p[2] for p in parts)
 
     def prepare_update(self, batch):
-        """Old logprobs (or the rollout's, in bypass mode), reference logprobs for the KL penalty,
-        rollout correction and the mismatch metrics; returns the batch with those fields, the metrics
-        and the FP8 KV-cache scales the logprob pass calibrated (None in bypass mode or without)."""
+        """Old logprobs (the rollout's in bypass mode and with an exact rollout), reference logprobs
+        for the KL penalty, rollout correction and the mismatch metrics; returns the batch with those
+        fields, the metrics and the FP8 KV-cache scales the logprob pass calibrated (None without
+        that pass or without an FP8 KV cache)."""
         corr_settings = self.job.algo.correction
         fields = dict(batch.fields)
         metrics: dict = {}
         kv_scales = None
         rollout_lp, mask = fields["rollout_logprobs"], fields["loss_mask"]
-        if corr_settings.bypass:
+        if corr_settings.bypass or self.job.precision.exact:
             fields["old_logprobs"] = rollout_lp
         else:
             out = self.actor.compute_logprobs(batch, kv_scales=self.job.rollout.fp8_kv_cache)
@@ -234,6 +237,17 @@ class Trainer:
         if self.job.algo.loss.kl_coef > 0:
             fields["ref_logprobs"] = self.actor.reference_logprobs(batch)
         return dataclasses.replace(batch, fields=fields), metrics, kv_scales
+
+    def update(self, batch) -> dict[str, float]:
+        """One optimizer step; its metrics. With an exact rollout, also the mismatch metrics of the
+        step's forward (computed with the weights the rollout used) against the rollout's logprobs:
+        ``rollout_corr/k3_kl`` 0 and ``rollout_corr/unequal_tokens`` 0 when it holds."""
+        if not self.job.precision.exact:
+            return {f"actor/{k}": v for k, v in self.actor.update(batch, self.loss_fn).items()}
+        out, logprobs = self.actor.update(batch, self.loss_fn, with_logprobs=True)
+        metrics = {f"actor/{k}": v for k, v in out.items()}
+        metrics.update(mismatch_metrics(logprobs, batch.fields["rollout_logprobs"], batch.fields["loss_mask"]))
+        return metrics
 
     def sync_weights(self, kv_scales: Optional[torch.Tensor] = None) -> None:
         """The actor's weights (its FP8 bytes and scales) into the engine, and the FP8 KV-cache

@@ -46,6 +46,7 @@ from megatron_jetrl.actor.packing import (
     plan_batch,
 )
 from megatron_jetrl.actor.settings import ActorSettings
+from megatron_jetrl.ops.exact import vllm_kernels
 from megatron_jetrl.algo import LossFn, LossInputs
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
@@ -122,8 +123,12 @@ class Actor:
                                   post_process=parallel_state.is_pipeline_last_stage())
         self.gpt = gpt
         self.num_fp8_linears = 0
-        if settings.precision.train_fp8 and settings.fp8_backend == "native":
+        if (settings.precision.train_fp8 and settings.fp8_backend == "native") or settings.precision.exact:
             self.num_fp8_linears = model_lib.configure_fp8_linears(gpt, settings, bridge.dims.num_layers, self.device)
+        self._exact = vllm_kernels() if settings.precision.exact else None
+        """vLLM's kernels of the exact forward (``precision.exact``), which the layers and logprobs call."""
+        if self._exact is not None:
+            model_lib.configure_exact(gpt, self._exact)
         self.model = model_lib.wrap_ddp(gpt, self.config)
         self.optimizer, self.scheduler = model_lib.build_optimizer(self.model, settings)
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -164,23 +169,31 @@ class Actor:
             scales = kv_scales_from_amax(observer.amax).cpu()
         return TokenLogprobs(full["logprobs"], full.get("entropy"), scales)
 
-    def update(self, batch: PackedBatch, loss_fn: LossFn) -> dict[str, float]:
+    def update(self, batch: PackedBatch, loss_fn: LossFn, *, with_logprobs: bool = False):
         """One optimizer step on ``batch`` with ``loss_fn`` (see ``megatron_jetrl.algo.LossInputs``);
         returns the batch's metrics: the loss function's, plus ``entropy``, ``grad_norm``, ``lr``,
         ``loss_scale``, ``update_skipped`` (FP16 overflow), ``tokens``, ``micro_batches`` and
-        ``update_time_s``."""
+        ``update_time_s``. With ``with_logprobs``, returns (metrics, logprobs): also the per-token
+        log π of the step's own forward ([T], fp32, CPU, as ``compute_logprobs``), computed with
+        the weights before the step, i.e. the weights the batch was generated with."""
         self._check_batch(batch, need_loss_mask=True)
         start = time.perf_counter()
         self.model.train()
-        micro_batches = self._micro_batches(batch, self._plan(batch)[parallel_state.get_data_parallel_rank()])
+        plan = self._plan(batch)
+        micro_batches = self._micro_batches(batch, plan[parallel_state.get_data_parallel_rank()])
         mask = batch.fields["loss_mask"]
         global_tokens = float(mask.float().sum())
         scale = len(micro_batches) * self.dp_size
         loss_func = partial(self._policy_loss, loss_fn=loss_fn, global_tokens=global_tokens,
-                            global_sequences=batch.num_sequences, scale=scale)
+                            global_sequences=batch.num_sequences, scale=scale, keep_logprobs=with_logprobs)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(micro_batches, forward_only=False, loss_func=loss_func)
+        logprobs = None
+        if with_logprobs:
+            local = self._pipeline_results(outputs, micro_batches, ("logprobs",))
+            logprobs = self._gather_data_parallel(local, plan, batch)["logprobs"]
+            outputs = [{k: v for k, v in o.items() if k != "logprobs"} for o in outputs]
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -196,7 +209,7 @@ class Actor:
             micro_batches=float(len(micro_batches)),
             update_time_s=time.perf_counter() - start,
         )
-        return metrics
+        return (metrics, logprobs) if with_logprobs else metrics
 
     def keep_reference(self) -> None:
         """Remember the current parameters as the reference policy (pinned host memory) for
@@ -394,7 +407,8 @@ class Actor:
         lp, ent = vocab_parallel_logprobs(
             logits[0], mb.labels, vocab_start=self._vocab_start, vocab_size=self.bridge.dims.vocab_size,
             group=parallel_state.get_tensor_model_parallel_group(), with_entropy=with_entropy,
-            impl=self.settings.logprob_impl)
+            impl="exact" if self._exact is not None else self.settings.logprob_impl,
+            token_logprobs=None if self._exact is None else self._exact.token_logprobs)
         lp = align_to_tokens(lp, mb.cu_seqlens)
         ent = align_to_tokens(ent, mb.cu_seqlens) if ent is not None else None
         return lp, ent
@@ -407,7 +421,7 @@ class Actor:
         return torch.zeros((), device=logits.device), out
 
     def _policy_loss(self, mb: _MicroBatch, logits, *, loss_fn: LossFn, global_tokens: float, global_sequences: int,
-                     scale: int):
+                     scale: int, keep_logprobs: bool = False):
         lp, ent = self._logprobs(mb, logits, with_entropy=True)
         inputs = LossInputs(logprobs=lp, entropy=ent, fields=mb.fields, cu_seqlens=mb.cu_seqlens,
                             global_tokens=global_tokens, global_sequences=global_sequences)
@@ -415,6 +429,8 @@ class Actor:
         metrics = {k: v.detach().float().reshape(()) for k, v in metrics.items()}
         mask = mb.fields["loss_mask"].float()
         metrics.setdefault("entropy", (ent.detach() * mask).sum() / global_tokens)
+        if keep_logprobs:
+            metrics["logprobs"] = lp.detach()[: mb.real_tokens]
         # megatron divides each micro-batch's loss by their count and averages gradients over DP
         # ranks; the loss function already normalised by the global batch, so undo both.
         return loss * scale, metrics

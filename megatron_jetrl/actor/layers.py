@@ -19,6 +19,10 @@
   sequence parallelism, otherwise all-reduce of the input gradient. The actor configures each
   linear after construction (quantizer, GEMM backend, and whether its layer runs in FP8), since
   the recipe keeps the first/last N layers in BF16 and a linear does not know its layer number.
+- The exact mode (``precision.exact``, ``actor/exact.py``): the norms become ``ExactRMSNorm``, the
+  linears of BF16 layers and the LM head compute their forward GEMM with vLLM's batch-invariant
+  matmul, FP8 FProp with vLLM's CUTLASS call, attention with vLLM's FlashAttention over paged K/V,
+  and RoPE with ``ops.exact.rope``; the actor hands the kernels to the modules after construction.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.attention import varlen
 
+from megatron_jetrl.actor.exact import ExactRMSNorm, exact_attention, exact_forward_impl
+from megatron_jetrl.ops.exact import VllmKernels
+from megatron_jetrl.ops.exact import rope as exact_rope
 from megatron_jetrl.precision import Fp8Quantizer, Fp8Weight, Fp8WeightCache, fp8_block_linear
 from megatron_jetrl.precision.kv_cache import KvAmaxObserver
 from megatron_jetrl.precision.gemm import GemmBackend
@@ -99,6 +106,10 @@ def apply_rotary_pos_emb_packed(t, freqs, config, cu_seqlens=None, mscale: float
     the batch by host-read lengths. Rows as megatron picks them: the token's position in its
     sequence, or its index in the batch when ``freqs`` covers the whole batch. Fused RoPE, context
     parallelism and the non-packed case are megatron's own."""
+    if getattr(config, EXACT_ATTR, False):
+        if cu_seqlens is None or mscale != 1.0:
+            raise RuntimeError("the exact forward's RoPE takes packed sequences without mscale")
+        return exact_rope(t, _positions(cu_seqlens, t.shape[0], t.device), float(config.rotary_base))
     if cu_seqlens is None or config.apply_rope_fusion or cp_group is None or cp_group.size() != 1:
         return megatron_apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
                                              cp_group=cp_group)
@@ -106,11 +117,22 @@ def apply_rotary_pos_emb_packed(t, freqs, config, cu_seqlens=None, mscale: float
     if freqs.size(0) == tokens:
         rows = torch.arange(tokens, device=freqs.device)
     else:
-        rows = getattr(cu_seqlens, "jetrl_positions", None)  # attach_packed_positions, once per micro-batch
-        if rows is None or rows.numel() != tokens or rows.device != freqs.device:
-            rows = packed_positions(cu_seqlens.to(freqs.device), tokens)
+        rows = _positions(cu_seqlens, tokens, freqs.device)
     return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[rows], rotary_interleaved=config.rotary_interleaved,
                                       multi_latent_attention=config.multi_latent_attention, mscale=mscale).squeeze(1)
+
+
+EXACT_ATTR = "jetrl_exact"
+"""Set (True) on the TransformerConfig of an exact-mode actor: RoPE goes through ``ops.exact.rope``."""
+
+
+def _positions(cu_seqlens: torch.Tensor, tokens: int, device: torch.device) -> torch.Tensor:
+    """Each packed token's position: the one ``attach_packed_positions`` computed for the micro-batch,
+    or computed now."""
+    rows = getattr(cu_seqlens, "jetrl_positions", None)
+    if rows is None or rows.numel() != tokens or rows.device != device:
+        rows = packed_positions(cu_seqlens.to(device), tokens)
+    return rows
 
 
 def use_sync_free_packed_rope() -> None:
@@ -155,6 +177,15 @@ class PackedCoreAttention(MegatronModule):
         """Set by the actor for a pass that calibrates FP8 KV-cache scales (q, k, v arrive here
         after qk-norm and RoPE, as a KV cache stores them)."""
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.exact_kernels: Optional[VllmKernels] = None
+        """Set by an exact-mode actor: attention forward with vLLM's FlashAttention call."""
+
+    def _attend(self, q, k, v, cu_seqlens, max_seqlen):
+        if self.exact_kernels is None:
+            return packed_causal_attention(q, k, v, cu_seqlens, max_seqlen, self.softmax_scale)
+        positions = _positions(cu_seqlens, q.shape[0], q.device)
+        return exact_attention(q, k, v, cu_seqlens, positions, max_seqlen, self.softmax_scale, self.exact_kernels,
+                               packed_causal_attention)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -165,24 +196,26 @@ class PackedCoreAttention(MegatronModule):
                 raise ValueError(f"packed sequences must use the 'thd' format; got {packed_seq_params.qkv_format!r}")
             if self.kv_observer is not None:
                 self.kv_observer.observe(self.layer_number - 1, query, key, value)
-            out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                          packed_seq_params.max_seqlen_q, self.softmax_scale)
+            out = self._attend(query, key, value, packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q)
             return out.reshape(out.shape[0], -1)
         s, b = query.shape[:2]
         flat = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value)]
         if self.kv_observer is not None:
             self.kv_observer.observe(self.layer_number - 1, *flat)
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=query.device)
-        out = packed_causal_attention(*flat, cu, s, self.softmax_scale)
+        out = self._attend(*flat, cu, s)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
 
 class _Fp8LinearMixin:
-    """Replaces megatron's ``_forward_impl`` (the GEMM plus its TP communication)."""
+    """Replaces megatron's ``_forward_impl`` (the GEMM plus its TP communication): FP8 GEMMs in an FP8
+    layer, megatron's BF16 GEMM otherwise, and in the exact mode (``exact_kernels`` set) vLLM's
+    FProp kernels (CUTLASS block FP8, or its batch-invariant BF16 matmul)."""
 
     fp8_quantizer: Optional[Fp8Quantizer] = None
     fp8_gemm: GemmBackend = "auto"
     fp8_enabled: bool = True
+    exact_kernels: Optional[VllmKernels] = None
 
     def configure_fp8(self, *, quantizer: Fp8Quantizer, gemm: GemmBackend, enabled: bool) -> None:
         self.fp8_quantizer = quantizer
@@ -198,6 +231,9 @@ class _Fp8LinearMixin:
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, tp_group=None, **_unused):
+        if not self.fp8_enabled and self.exact_kernels is not None:
+            return exact_forward_impl(self.exact_kernels, input, weight, bias, gradient_accumulation_fusion,
+                                      allreduce_dgrad, sequence_parallel, tp_group)
         if not self.fp8_enabled:
             return super()._forward_impl(input=input, weight=weight, bias=bias,
                                          gradient_accumulation_fusion=gradient_accumulation_fusion,
@@ -211,8 +247,9 @@ class _Fp8LinearMixin:
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        fprop = self.exact_kernels.fp8_gemm if self.exact_kernels is not None else None
         return fp8_block_linear(input, weight, bias, quantizer=self.fp8_quantizer, cache=self.fp8_cache,
-                                gemm=self.fp8_gemm)
+                                gemm=self.fp8_gemm, fprop=fprop)
 
 
 class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
@@ -237,22 +274,29 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def local_layer_spec(*, qk_layernorm: bool, fp8: bool) -> ModuleSpec:
+def local_layer_spec(*, qk_layernorm: bool, fp8: bool, exact: bool = False) -> ModuleSpec:
     """megatron-core's local GPT layer spec with ``PackedCoreAttention``, ``RMSNorm``, the sync-free
-    packed RoPE and, with ``fp8``, the FP8 parallel linears."""
+    packed RoPE and, with ``fp8``, the FP8 parallel linears; with ``exact``, ``ExactRMSNorm`` and
+    the project's parallel linears in every layer (their exact GEMMs are configured afterwards)."""
     use_sync_free_packed_rope()
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     attn = spec.submodules.self_attention.submodules
     mlp = spec.submodules.mlp.submodules
     attn.core_attention = PackedCoreAttention
-    spec.submodules.input_layernorm = RMSNorm
-    spec.submodules.pre_mlp_layernorm = RMSNorm
+    norm = norm_class(exact)
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
     if qk_layernorm:
-        attn.q_layernorm = RMSNorm
-        attn.k_layernorm = RMSNorm
-    if fp8:
+        attn.q_layernorm = norm
+        attn.k_layernorm = norm
+    if fp8 or exact:
         attn.linear_qkv = Fp8ColumnParallelLinear
         attn.linear_proj = Fp8RowParallelLinear
         mlp.linear_fc1 = Fp8ColumnParallelLinear
         mlp.linear_fc2 = Fp8RowParallelLinear
     return spec
+
+
+def norm_class(exact: bool) -> type:
+    """The norm module of every norm of the model (the final one too)."""
+    return ExactRMSNorm if exact else RMSNorm

@@ -22,6 +22,11 @@ memory traffic, an estimated half of the actor step's elementwise time measured 
 logits once (three short passes forward, one backward, writing the gradient once). Reductions
 and ``exp`` may round differently from the eager kernels (within a few fp32 ulps); the
 all-reduces over the TP group stay outside the compiled code.
+
+A third, ``exact`` (``precision.exact``), takes log p(y_t) from the kernel vLLM's sampler computes
+the rollout's logprobs with (``ops.exact.VllmKernels.token_logprobs``, over the logits of the real
+vocabulary), so both are equal bit for bit; lse, entropy and the backward are ``compiled``'s (the
+gradient need not match anything). It needs the whole vocabulary on the rank (tensor parallelism 1).
 """
 
 from __future__ import annotations
@@ -159,6 +164,25 @@ class _CompiledVocabParallelLogprobs(torch.autograd.Function):
         return grad_TV, None, None, None, None, None
 
 
+class _ExactLogprobs(torch.autograd.Function):
+    """``compiled``'s function with log p(y_t) from ``token_logprobs`` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, logits_TV, labels_T, vocab_start: int, vocab_size: int, group, with_entropy: bool,
+                token_logprobs):
+        if vocab_start != 0 or (group is not None and dist.get_world_size(group) > 1):
+            raise ValueError("exact logprobs need the whole vocabulary on this rank (tensor parallelism 1)")
+        _, entropy = _CompiledVocabParallelLogprobs.forward(ctx, logits_TV, labels_T, vocab_start, vocab_size,
+                                                            group, with_entropy)
+        real = min(vocab_size, logits_TV.shape[1])
+        logp = token_logprobs(logits_TV[:, :real], labels_T[:, None]).squeeze(1)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, d_logp, d_entropy):
+        return (*_CompiledVocabParallelLogprobs.backward(ctx, d_logp, d_entropy), None)
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TV, labels_T, vocab_start: int, vocab_size: int, group, with_entropy: bool):
@@ -212,6 +236,7 @@ def vocab_parallel_logprobs(
     group: Optional[dist.ProcessGroup] = None,
     with_entropy: bool = False,
     impl: str = "eager",
+    token_logprobs=None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log p(labels) [T], entropy [T] or None), fp32, differentiable w.r.t. ``logits_TV``.
 
@@ -221,13 +246,19 @@ def vocab_parallel_logprobs(
         labels_T: global token ids to score.
         vocab_size: the real vocabulary size; columns at or past it are ignored.
         group: the tensor-parallel group holding the other slices (None: the full vocab is here).
-        impl: ``eager`` (the reference) or ``compiled`` (fused chunks; module docstring).
+        impl: ``eager`` (the reference), ``compiled`` (fused chunks) or ``exact`` (log p from
+            ``token_logprobs(logits [M, V], ids [M, 1]) -> [M, 1]``; module docstring).
     """
     if logits_TV.dim() != 2 or labels_T.shape != logits_TV.shape[:1]:
         raise ValueError(f"logits must be [T, V] and labels [T]; got {tuple(logits_TV.shape)}, {tuple(labels_T.shape)}")
     if impl not in LOGPROB_IMPLS:
         raise ValueError(f"impl {impl!r}: one of {', '.join(LOGPROB_IMPLS)}")
-    return LOGPROB_IMPLS[impl].apply(logits_TV, labels_T, int(vocab_start), int(vocab_size), group, with_entropy)
+    args = (logits_TV, labels_T, int(vocab_start), int(vocab_size), group, with_entropy)
+    if impl == "exact":
+        if token_logprobs is None:
+            raise ValueError("impl 'exact' needs the token_logprobs kernel (ops.exact.VllmKernels.token_logprobs)")
+        return _ExactLogprobs.apply(*args, token_logprobs)
+    return LOGPROB_IMPLS[impl].apply(*args)
 
 
-LOGPROB_IMPLS = {"eager": _VocabParallelLogprobs, "compiled": _CompiledVocabParallelLogprobs}
+LOGPROB_IMPLS = {"eager": _VocabParallelLogprobs, "compiled": _CompiledVocabParallelLogprobs, "exact": _ExactLogprobs}

@@ -28,10 +28,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_jetrl.actor.layers import RMSNorm, _Fp8LinearMixin, local_layer_spec
+from megatron_jetrl.actor.exact import ExactRMSNorm, bind_exact_forward
+from megatron_jetrl.actor.layers import EXACT_ATTR, PackedCoreAttention, _Fp8LinearMixin, local_layer_spec, norm_class
 from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
@@ -102,7 +104,9 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if recipe.train_fp8 and settings.fp8_backend == "te":
         kwargs.update(check_te_backend(settings, bridge.dims.num_layers))
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    setattr(config, EXACT_ATTR, recipe.exact)  # RoPE reads it (layers.apply_rotary_pos_emb_packed)
+    return config
 
 
 def layer_spec(bridge: ModelBridge, settings: ActorSettings, config: TransformerConfig):
@@ -112,10 +116,11 @@ def layer_spec(bridge: ModelBridge, settings: ActorSettings, config: Transformer
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bridge.dims.qk_norm)
+    exact = settings.precision.exact
     spec = local_layer_spec(qk_layernorm=bridge.dims.qk_norm,
-                            fp8=settings.precision.train_fp8 and settings.fp8_backend == "native")
+                            fp8=settings.precision.train_fp8 and settings.fp8_backend == "native", exact=exact)
     layers = get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=norm_class(exact))
 
 
 def build_gpt(bridge: ModelBridge, settings: ActorSettings, config: TransformerConfig, *, pre_process: bool,
@@ -140,6 +145,43 @@ def configure_fp8_linears(model: GPTModel, settings: ActorSettings, num_layers: 
                 m.configure_fp8(quantizer=quantizer, gemm=gemm, enabled=enabled)
                 n_fp8 += enabled
     return n_fp8
+
+
+def configure_exact(model: GPTModel, kernels) -> int:
+    """Hand vLLM's kernels (``ops.exact.VllmKernels``) to every linear, attention and the LM head of
+    an exact-mode model (after ``configure_fp8_linears``), then ``check_exact``; returns how many
+    modules got them."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (_Fp8LinearMixin, PackedCoreAttention)):
+            m.exact_kernels = kernels
+            n += 1
+    if getattr(model, "output_layer", None) is not None:
+        bind_exact_forward(model.output_layer, kernels)
+        n += 1
+    check_exact(model)
+    return n
+
+
+def check_exact(model: torch.nn.Module) -> None:
+    """Raise, naming the modules, unless every norm of an exact-mode model is ``ExactRMSNorm``, every
+    linear and core attention computes with vLLM's kernels and the LM head is bound to the exact
+    GEMM: a module left on another kernel would make the rollout silently inexact."""
+    wrong = []
+    output_layer = getattr(model, "output_layer", None)
+    for name, m in model.named_modules():
+        if "Norm" in type(m).__name__ and not isinstance(m, ExactRMSNorm):
+            wrong.append(f"{name} ({type(m).__name__})")
+        elif isinstance(m, (_Fp8LinearMixin, PackedCoreAttention)):
+            if m.exact_kernels is None:
+                wrong.append(f"{name} ({type(m).__name__} without the exact kernels)")
+        elif m is output_layer:
+            if "_forward_impl" not in vars(m):
+                wrong.append(f"{name} (the LM head's GEMM is not the exact one)")
+        elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)) or name.endswith("core_attention"):
+            wrong.append(f"{name} ({type(m).__name__})")
+    if wrong:
+        raise RuntimeError("precision.exact: modules outside the exact forward: " + "; ".join(wrong[:8]))
 
 
 def named_shards(model: GPTModel, recipe: Optional[PrecisionRecipe] = None,

@@ -17,6 +17,9 @@ generating engine), r = p_train / p_rollout = exp(clamp(t − g, −20, 20)):
                                      (either side constant, e.g. one token) it is 1.0 if the two
                                      agree exactly and 0.0 otherwise, so the metric is never NaN
     token_mult_prob_error            mean exp(|g − t|)    (1.0 is perfect; < 1.03 is healthy)
+    rollout_corr/max_abs_dlogp       max |t − g|          (0 when the two agree bit for bit)
+    rollout_corr/unequal_tokens      how many tokens have t != g, compared in fp32 (the exact rollout's
+                                     check: 0)
 """
 
 from __future__ import annotations
@@ -74,4 +77,7 @@ def mismatch_metrics(
         "training/rollout_probs_diff_max": float(probs_diff.max()),
         "training/rollout_actor_probs_pearson_corr": _pearson(p_train, p_rollout),
         "token_mult_prob_error": float(torch.exp((g - t).abs()).mean()),
+        "rollout_corr/max_abs_dlogp": float((g - t).abs().max()),
+        "rollout_corr/unequal_tokens": float((train_logprobs.detach()[keep].float()
+                                              != rollout_logprobs.detach()[keep].float()).sum()),
     }

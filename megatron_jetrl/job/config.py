@@ -232,11 +232,54 @@ def _check_together(job: JobConfig) -> None:
     if job.rollout.fp8_kv_cache and not job.precision.rollout_fp8:
         raise ConfigError("rollout.vllm.kv_cache_dtype", "fp8",
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
+    if job.precision.exact:
+        _check_exact(job)
     limit = job.rollout.vllm.max_model_len
     if job.rollout.engine == "vllm" and limit is not None and limit < job.longest_sequence:
         raise ConfigError("rollout.vllm.max_model_len", limit,
                           f"must hold the longest prompt + response ({job.longest_sequence} tokens: "
                           "data max_prompt_tokens + rollout.sampling.max_new_tokens); leave it unset to use that")
+
+
+def _check_exact(job: JobConfig) -> None:
+    """What an exact rollout (``precision.exact``) needs besides the precision mode: one layout both
+    sides compute alike, and the kernels the exact forward is made of (``ops/exact.py``)."""
+    par, vllm = job.actor.parallel, job.rollout.vllm
+    need = [
+        ("rollout.engine", job.rollout.engine, job.rollout.engine == "vllm",
+         "the exact forward is vLLM's batch-invariant mode plus the trainer's kernels: set rollout.engine=vllm"),
+        ("actor.fp8_backend", job.actor.fp8_backend, job.actor.fp8_backend == "native" or not job.precision.train_fp8,
+         "Transformer Engine's layers compute with TE's kernels, not the engine's: set actor.fp8_backend=native"),
+        ("actor.parallel.tp", par.tp, par.tp == 1 and vllm.tensor_parallel_size == 1,
+         f"the exact rollout runs at trainer TP 1 = rollout TP 1 (here {par.tp} and {vllm.tensor_parallel_size}); "
+         "set actor.parallel.tp=1 and rollout.vllm.tensor_parallel_size=1"),
+        ("actor.parallel.pp", par.pp, par.pp == 1, "the exact rollout is verified at PP 1: set actor.parallel.pp=1"),
+        ("rollout.vllm.kv_cache_dtype", vllm.kv_cache_dtype, vllm.kv_cache_dtype == "auto",
+         "an FP8 KV cache has no exact trainer-side attention yet: set rollout.vllm.kv_cache_dtype=auto"),
+        ("rollout.vllm.fp8_gemm", vllm.fp8_gemm, vllm.fp8_gemm == "cutlass",
+         "the trainer's exact FProp calls vLLM's CUTLASS block-FP8 GEMM: set rollout.vllm.fp8_gemm=cutlass"),
+        ("rollout.vllm.activation_quant", vllm.activation_quant, vllm.activation_quant == "trainer",
+         "vLLM must quantize activations with the trainer's kernel: set rollout.vllm.activation_quant=trainer"),
+        ("algo.correction.mode", job.algo.correction.mode, job.algo.correction.mode == "none",
+         "with an exact rollout the trainer's logprobs equal the rollout's: there is nothing to correct, set "
+         "algo.correction.mode=none"),
+    ]
+    for key, value, ok, fix in need:
+        if not ok:
+            raise ConfigError(key, value, f"precision.exact: {fix}")
+
+
+def check_exact_model(bridge) -> None:
+    """The model side of ``precision.exact``: rotary embeddings the exact ``rope`` computes (plain,
+    the whole head, no scaling) and hidden sizes the exact norm takes (multiples of 128)."""
+    d = bridge.dims
+    if d.rope_scaling_factor is not None:
+        raise ConfigError("precision.exact", True, f"the model scales its rotary embedding (factor "
+                          f"{d.rope_scaling_factor}); the exact rope is the plain one: set precision.exact=false")
+    for name, n in (("hidden_size", d.hidden_size), ("head_dim", d.head_dim)):
+        if n % 128:
+            raise ConfigError("precision.exact", True, f"the exact RMSNorm takes rows of a multiple of 128 values; "
+                              f"the model's {name} is {n}: set precision.exact=false")
 
 
 def missing_inputs(job: JobConfig) -> list[tuple[str, str, str]]:
@@ -274,6 +317,8 @@ def resolve(job: JobConfig, world_size: int, hf_config: Optional[dict[str, Any]]
     bridge = bridge_for(hf_config)
     bridge.check_layout(job.actor.parallel)
     job.precision.layer_in_fp8(0, bridge.dims.num_layers)
+    if job.precision.exact:
+        check_exact_model(bridge)
     dp = job.actor.data_parallel_size(world_size)
     rollout_tp = job.rollout.tp
     if world_size % rollout_tp:

@@ -20,7 +20,7 @@ or ``megatron_jetrl.ops.NativeQuantizer`` (fused kernels, same bytes), chosen by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -123,16 +123,25 @@ class Fp8WeightCache:
         self._key = self._value = None
 
 
+FpropGemm = Callable[[Fp8Tensor, Fp8Tensor, torch.dtype], torch.Tensor]
+"""``(x [M, K] 1x128 groups, W [N, K] 128x128 blocks, out dtype) -> x·Wᵀ`` [M, N]: another kernel for
+the FProp GEMM (the exact mode's: vLLM's CUTLASS call, ``ops.exact.VllmKernels.fp8_gemm``)."""
+
+
 class Fp8BlockLinear(torch.autograd.Function):
     """Autograd function; call through ``fp8_block_linear``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fp8_weight: Fp8Weight, quantizer: Fp8Quantizer, gemm: GemmBackend):
+    def forward(ctx, x, weight, bias, fp8_weight: Fp8Weight, quantizer: Fp8Quantizer, gemm: GemmBackend,
+                fprop: Optional[FpropGemm]):
         N, K = weight.shape
         x_MK = x.reshape(-1, K)
         need_wgrad = ctx.needs_input_grad[1]
         x_row, x_col = quantizer.quantize_groups(x_MK, rowwise=True, columnwise=need_wgrad)
-        y = fp8_gemm(x_row, fp8_weight.fprop, x.dtype, gemm)
+        if fprop is None:
+            y = fp8_gemm(x_row, fp8_weight.fprop, x.dtype, gemm)
+        else:
+            y = fprop(x_row, fp8_weight.fprop, x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.x_col = x_col
@@ -158,7 +167,7 @@ class Fp8BlockLinear(torch.autograd.Function):
             dw = fp8_gemm(dy_col, ctx.x_col, w_dtype, ctx.gemm)
         if need_bgrad:
             db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def fp8_block_linear(
@@ -169,6 +178,7 @@ def fp8_block_linear(
     quantizer: Fp8Quantizer,
     cache: Optional[Fp8WeightCache] = None,
     gemm: GemmBackend = "auto",
+    fprop: Optional[FpropGemm] = None,
 ) -> torch.Tensor:
     """y = x·Wᵀ + b with all three GEMMs in FP8 (see the module docstring).
 
@@ -179,6 +189,7 @@ def fp8_block_linear(
         cache: reuse the weight's FP8 form until the weight changes; without one the weight is
             quantized on every call.
         gemm: ``auto`` (scaled_mm on Hopper, emulation elsewhere), ``scaled_mm`` or ``emulate``.
+        fprop: another FProp GEMM kernel (same operands and bytes; DGrad and WGrad keep ``gemm``).
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K]; got shape {tuple(weight.shape)}")
@@ -192,7 +203,7 @@ def fp8_block_linear(
     if not torch.is_grad_enabled():
         # No backward will run: skip the token-dim quantization WGrad would need.
         weight = weight.detach()
-    return Fp8BlockLinear.apply(x, weight, bias, fp8_weight, quantizer, gemm)
+    return Fp8BlockLinear.apply(x, weight, bias, fp8_weight, quantizer, gemm, fprop)
 
 
 class Fp8Linear(torch.nn.Module):

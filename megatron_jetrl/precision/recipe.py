@@ -87,10 +87,20 @@ class VllmSettings:
     dtype: str
 
 
+EXACT_MODES = (PrecisionMode.BF16, PrecisionMode.FP8)
+"""The modes with an exact rollout: trainer and engine compute with the same weights in both."""
+
+
 @dataclass(frozen=True)
 class PrecisionRecipe:
+    """``exact``: the rollout engine and the trainer's forward compute every op with the same
+    kernel, so the engine's logprob of every sampled token equals the trainer's bit for bit
+    (``ops/exact.py``, ``rollout/vllm_exact.py``, ``actor/exact.py``); the rollout's logprobs are
+    then the old policy's. Other job settings it needs are checked with the job (``job/config.py``)."""
+
     mode: PrecisionMode = PrecisionMode.FP8
     fp8: Fp8Options = field(default_factory=Fp8Options)
+    exact: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -100,12 +110,18 @@ class PrecisionRecipe:
             raise ConfigError("precision.mode", self.mode, f"must be one of {allowed}") from None
         if not isinstance(self.fp8, Fp8Options):
             raise ConfigError("precision.fp8", self.fp8, "must be an Fp8Options (the loader builds one from a mapping)")
+        if not isinstance(self.exact, bool):
+            raise ConfigError("precision.exact", self.exact, "must be true or false")
+        if self.exact and self.mode not in EXACT_MODES:
+            modes = " and ".join(m.value for m in EXACT_MODES)
+            raise ConfigError("precision.exact", True, f"an exact rollout exists for precision.mode {modes}; "
+                              f"mode {self.mode.value!r} has none (set precision.exact=false)")
 
     def to_dict(self) -> dict[str, Any]:
         fp8 = dataclasses.asdict(self.fp8)
         for k in ("weight_block", "activation_group", "grad_group"):
             fp8[k] = list(fp8[k])
-        return {"mode": self.mode.value, "fp8": fp8}
+        return {"mode": self.mode.value, "fp8": fp8, "exact": self.exact}
 
     @property
     def train_fp8(self) -> bool:
@@ -218,8 +234,13 @@ class PrecisionRecipe:
 
     @property
     def vllm_env(self) -> dict[str, str]:
-        """The environment vLLM must see for this recipe: DeepGEMM's scale format (FP8 rollout)."""
-        return {"VLLM_USE_DEEP_GEMM_E8M0": "1" if self.fp8.pow2_scales else "0"} if self.rollout_fp8 else {}
+        """The environment vLLM must see for this recipe: DeepGEMM's scale format (FP8 rollout), and
+        vLLM's batch-invariant mode and its V2 model runner (whose logprob kernel the trainer calls)
+        for an exact rollout."""
+        env = {"VLLM_USE_DEEP_GEMM_E8M0": "1" if self.fp8.pow2_scales else "0"} if self.rollout_fp8 else {}
+        if self.exact:
+            env.update(VLLM_BATCH_INVARIANT="1", VLLM_USE_V2_MODEL_RUNNER="1")
+        return env
 
     def vllm_settings(self, num_layers: int, *, linear_names: Sequence[str],
                       layer_prefix: str = "model.layers") -> VllmSettings:

@@ -56,7 +56,7 @@ import torch
 from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
-from megatron_jetrl.rollout import vllm_quant
+from megatron_jetrl.rollout import vllm_exact, vllm_quant
 from megatron_jetrl.rollout.base import (MissingWeights, Sample, SamplingParams, TensorMeta, WeightMismatch,
                                          check_against_specs)
 from megatron_jetrl.rollout.vllm_model import KV_SCALES, DirectTargets, LayerwiseUpdate, model_weight_specs
@@ -231,7 +231,7 @@ def llm_kwargs(model_path: str | Path, hf_config: Mapping[str, Any], recipe: Pre
         compilation["pass_config"] = {"fuse_norm_quant": False, "fuse_act_quant": False}
     if compilation:
         kwargs["compilation_config"] = compilation
-    return kwargs
+    return vllm_exact.llm_kwargs(kwargs) if recipe.exact else kwargs
 
 
 def samples_from_outputs(outputs: Sequence[Any], n: int) -> list[Sample]:
@@ -303,9 +303,13 @@ class VllmEngine:
             (Path(self._model_dir) / "config.json").write_text(json.dumps(config))
             if recipe.rollout_fp8 and options.activation_quant == "trainer":
                 vllm_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon)
+            if recipe.exact:
+                vllm_exact.install()
             self._llm = vllm.LLM(**llm_kwargs(self._model_dir, config, recipe, options))
             if recipe.rollout_fp8:
                 _check_no_requantization(vllm)
+            self.exact_modules = self._on_worker(vllm_exact.check_engine) if recipe.exact else None
+            """How many norm, activation, rotary and attention modules run the exact kernels (exact mode)."""
             from vllm.distributed import get_tensor_model_parallel_rank
 
             self.tp_size = options.tensor_parallel_size
@@ -415,6 +419,7 @@ class VllmEngine:
             shutil.rmtree(self._model_dir, ignore_errors=True)
             self._model_dir = None
             vllm_quant.uninstall()  # a later engine of this process chooses again
+            vllm_exact.uninstall()
 
     @property
     def weights_discarded(self) -> bool:

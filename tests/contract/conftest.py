@@ -7,4 +7,15 @@ classes on its CPU platform, so the variable is set here, before any test module
 
 import os
 
+import pytest
+
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+
+
+@pytest.fixture(scope="session")
+def vllm_world(tmp_path_factory):
+    """vLLM's world and TP groups on gloo: once per process (vLLM refuses a second set)."""
+    pytest.importorskip("vllm", reason="vllm not installed; runs in the vLLM venv of .ci/run")
+    from tests.contract.vllm_cpu import init_vllm_distributed
+
+    init_vllm_distributed(tmp_path_factory.mktemp("vllm-dist") / "store")

@@ -70,8 +70,8 @@ def metas(tensors):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def vllm_world(tmp_path_factory):
-    init_vllm_distributed(tmp_path_factory.mktemp("vllm-dist") / "store")
+def _world(vllm_world):
+    """vLLM's world and TP groups (conftest: once per process)."""
 
 
 # -- what the engine asks of vLLM ---------------------------------------------------------------------

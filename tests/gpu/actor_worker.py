@@ -79,10 +79,10 @@ class Scenarios:
         return base
 
     def actor(self, arch: str, *, mode="bf16", tp=1, pp=1, sp=False, lr=1e-4, mb_tokens=256, recompute="none",
-              backend="native", logprob_impl="eager", **fp8) -> Actor:
+              backend="native", logprob_impl="eager", exact=False, **fp8) -> Actor:
         base = self.converted(arch)
         bridge = bridge_for(HFCheckpoint(base / "hf").config)
-        recipe = build(PrecisionRecipe, {"mode": mode, "fp8": fp8}, "precision")
+        recipe = build(PrecisionRecipe, {"mode": mode, "fp8": fp8, "exact": exact}, "precision")
         settings = ActorSettings(parallel=ParallelLayout(tp=tp, pp=pp, sequence_parallel=sp), precision=recipe,
                                  max_tokens_per_microbatch=mb_tokens, recompute=recompute, fp8_backend=backend,
                                  logprob_impl=logprob_impl,

@@ -28,6 +28,7 @@ def test_headline_update_keeps_other_keys_and_refuses_non_numbers(tmp_path):
         update(path, {"c": float("nan")}, device="GPU", command="x")
     assert "c" not in json.loads(path.read_text())
     assert sorted(p.name for p in path.parent.iterdir()) == ["headline.json"]  # no temporary left
+    assert update(path, {"k3": 2.345678e-7}, device="GPU", command="x")["k3"]["value"] == 2.3457e-7  # not 0.0
 
 
 def _decode(mode, tok_s):

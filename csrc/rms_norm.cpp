@@ -1,0 +1,141 @@
+// Validation, dispatch and the CPU kernel of the batch-invariant RMSNorm (see rms_norm.h).
+//
+// The CPU kernel follows the documented order literally, one row at a time (rows in parallel).
+// Its float arithmetic must be plain IEEE single precision, one rounding per operation:
+// - no excess precision: FLT_EVAL_METHOD must be 0 (SSE on x86-64, any aarch64), checked below;
+// - no fused multiply-add: every product is its own statement, so clang's default contraction
+//   (within one expression) has nothing to fuse, and the build (-std=c++17, ISO mode) leaves
+//   GCC's -ffp-contract at off; setup.py enables neither -ffast-math nor -ffp-contract=fast;
+// - std::sqrt(float) and float division are correctly rounded (IEEE 754).
+#include "rms_norm.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cfloat>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
+#error "rms_norm.cpp needs float arithmetic without excess precision (FLT_EVAL_METHOD == 0)"
+#endif
+
+namespace jetrl {
+namespace {
+
+// Numbers go through std::to_string, never streamed into TORCH_CHECK (see quantize.cpp).
+std::string dims(at::IntArrayRef d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+bool supported(at::ScalarType dt) { return dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat; }
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.defined(), "rms_norm: x is undefined");
+  TORCH_CHECK(x.dim() == 2, "rms_norm: x must be 2-D [R, H]; got ", std::to_string(x.dim()), "-D shape ",
+              dims(x.sizes()));
+  const int64_t H = x.size(1);
+  TORCH_CHECK(H > 0 && H % kNormLanes == 0, "rms_norm: H (x's last dim) must be a positive multiple of ",
+              std::to_string(kNormLanes), " (one lane per column modulo 128); got H = ", std::to_string(H));
+  TORCH_CHECK(supported(x.scalar_type()), "rms_norm: x must be bfloat16, float16 or float32; got ", x.scalar_type());
+  TORCH_CHECK(x.stride(1) == 1, "rms_norm: x's last dim must be contiguous (stride 1); got strides ",
+              dims(x.strides()), ". Call .contiguous() first");
+  TORCH_CHECK(x.is_cpu() || x.is_cuda(), "rms_norm: x must be on CPU or CUDA; got ", x.device().str());
+#ifndef JETRL_WITH_CUDA
+  TORCH_CHECK(!x.is_cuda(),
+              "rms_norm: x is on CUDA but megatron_jetrl._C was built without CUDA kernels; rebuild on a "
+              "machine with nvcc and a CUDA build of torch: pip install --no-build-isolation -e .");
+#endif
+  TORCH_CHECK(x.size(0) < std::numeric_limits<int32_t>::max(), "rms_norm: x has too many rows for one launch: ",
+              dims(x.sizes()));
+  TORCH_CHECK(weight.defined(), "rms_norm: weight is undefined");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "rms_norm: weight must be 1-D [H] = [", std::to_string(H),
+              "]; got shape ", dims(weight.sizes()));
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight must have x's dtype ", x.scalar_type(),
+              "; got ", weight.scalar_type());
+  TORCH_CHECK(weight.is_contiguous(), "rms_norm: weight must be contiguous; got strides ", dims(weight.strides()));
+  TORCH_CHECK(weight.device() == x.device(), "rms_norm: weight is on ", weight.device().str(),
+              "; it must be on x's device ", x.device().str());
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "rms_norm: eps must be a finite number >= 0; got ",
+              std::to_string(eps));
+}
+
+// One row, in the documented order: lane sums, halving tree, mean, 1/sqrt, two roundings.
+template <typename T>
+void norm_row(const T* x, const T* w, T* y, int64_t H, float eps) {
+  float acc[kNormLanes];
+  for (int t = 0; t < kNormLanes; ++t) {
+    const float v = static_cast<float>(x[t]);
+    acc[t] = v * v;
+  }
+  for (int64_t c = kNormLanes; c < H; c += kNormLanes) {
+    for (int t = 0; t < kNormLanes; ++t) {
+      const float v = static_cast<float>(x[c + t]);
+      const float sq = v * v;
+      acc[t] = acc[t] + sq;
+    }
+  }
+  for (int s = kNormLanes / 2; s >= 1; s /= 2) {
+    for (int t = 0; t < s; ++t) acc[t] = acc[t] + acc[t + s];
+  }
+  const float mean = acc[0] / static_cast<float>(H);
+  const float root = std::sqrt(mean + eps);
+  const float inv = 1.0f / root;
+  for (int64_t c = 0; c < H; ++c) {
+    const float scaled = static_cast<float>(x[c]) * inv;
+    const T normed = static_cast<T>(scaled);
+    const float out = static_cast<float>(normed) * static_cast<float>(w[c]);
+    y[c] = static_cast<T>(out);
+  }
+}
+
+template <typename T>
+void run_cpu(const RmsNormArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  T* y = static_cast<T*>(a.y);
+  at::parallel_for(0, a.R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(x + r * a.x_stride, w, y + r * a.H, a.H, a.eps);
+  });
+}
+
+void rms_norm_cpu(const RmsNormArgs& args, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16: return run_cpu<c10::BFloat16>(args);
+    case at::kHalf: return run_cpu<c10::Half>(args);
+    case at::kFloat: return run_cpu<float>(args);
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", dtype);
+  }
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_inputs(x, weight, eps);
+  const int64_t R = x.size(0), H = x.size(1);
+  at::Tensor y = at::empty({R, H}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (R == 0) return y;
+  RmsNormArgs args;
+  args.x = x.data_ptr();
+  args.w = weight.data_ptr();
+  args.y = y.data_ptr();
+  args.R = R;
+  args.H = H;
+  args.x_stride = x.stride(0);
+  args.eps = static_cast<float>(eps);
+#ifdef JETRL_WITH_CUDA
+  if (x.is_cuda()) {
+    rms_norm_cuda(args, x.scalar_type(), x);
+    return y;
+  }
+#endif
+  rms_norm_cpu(args, x.scalar_type());
+  return y;
+}
+
+}  // namespace jetrl

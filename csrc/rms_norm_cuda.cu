@@ -1,0 +1,112 @@
+// Batch-invariant RMSNorm on CUDA: one block of 128 threads per row, lane = threadIdx.x.
+//
+// The order is the contract of megatron_jetrl/ops/rms_norm.py, the same for any number of rows:
+// - lane t sums sq(x[t]), sq(x[t + 128]), ... sequentially in fp32 (__fmul_rn / __fadd_rn: the
+//   compiler may not fuse them into an FMA, which would skip the product's rounding);
+// - the 128 lane sums meet in a halving tree acc[t] += acc[t + s], s = 64, 32 through shared
+//   memory, then s = 16 .. 1 inside warp 0 with __shfl_down_sync (lane t receives lane t + s:
+//   the same pairing);
+// - lane 0 computes inv = 1 / sqrt(sum / H + eps) with correctly rounded division and sqrt (not
+//   rsqrtf) and shares it through shared memory;
+// - y = dtype(float(dtype(x * inv)) * w), both products rounded to fp32 first.
+// Nothing depends on blockIdx beyond the row's address, so a row gets the same bits alone or among
+// thousands. Memory-bound; the second pass over the row mostly hits L1/L2. No host syncs and no
+// allocations besides the output: capturable in a CUDA graph.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "rms_norm.h"
+
+namespace jetrl {
+namespace {
+
+constexpr uint32_t kFull = 0xffffffffu;
+constexpr int kWarp = 32;
+
+template <typename T>
+struct Cvt;
+
+template <>
+struct Cvt<__nv_bfloat16> {
+  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Cvt<__half> {
+  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
+  __device__ static __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+};
+
+template <>
+struct Cvt<float> {
+  __device__ static __forceinline__ float to_float(float v) { return v; }
+  __device__ static __forceinline__ float from_float(float v) { return v; }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kNormLanes)
+    rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int64_t H, int64_t x_stride,
+                    float eps) {
+  using C = Cvt<T>;
+  __shared__ float lanes[kNormLanes];
+  __shared__ float inv_shared;
+
+  const int t = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * x_stride;
+  T* yr = y + row * H;
+
+  float v = C::to_float(xr[t]);
+  float acc = __fmul_rn(v, v);
+  for (int64_t c = t + kNormLanes; c < H; c += kNormLanes) {
+    v = C::to_float(xr[c]);
+    acc = __fadd_rn(acc, __fmul_rn(v, v));
+  }
+
+  lanes[t] = acc;
+  __syncthreads();
+  if (t < 64) lanes[t] = __fadd_rn(acc, lanes[t + 64]);
+  __syncthreads();
+  if (t < kWarp) {
+    float sum = __fadd_rn(lanes[t], lanes[t + 32]);
+#pragma unroll
+    for (int s = 16; s >= 1; s /= 2) sum = __fadd_rn(sum, __shfl_down_sync(kFull, sum, s));
+    if (t == 0) {
+      const float mean = __fdiv_rn(sum, static_cast<float>(H));
+      inv_shared = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+    }
+  }
+  __syncthreads();
+  const float inv = inv_shared;
+
+  for (int64_t c = t; c < H; c += kNormLanes) {
+    const T normed = C::from_float(__fmul_rn(C::to_float(xr[c]), inv));
+    yr[c] = C::from_float(__fmul_rn(C::to_float(normed), C::to_float(w[c])));
+  }
+}
+
+template <typename T>
+void launch_typed(const RmsNormArgs& a, cudaStream_t stream) {
+  rms_norm_kernel<T><<<static_cast<unsigned>(a.R), kNormLanes, 0, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<T*>(a.y), a.H, a.x_stride, a.eps);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void rms_norm_cuda(const RmsNormArgs& args, at::ScalarType dtype, const at::Tensor& x) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  switch (dtype) {
+    case at::kBFloat16: return launch_typed<__nv_bfloat16>(args, stream);
+    case at::kHalf: return launch_typed<__half>(args, stream);
+    case at::kFloat: return launch_typed<float>(args, stream);
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", dtype);
+  }
+}
+
+}  // namespace jetrl

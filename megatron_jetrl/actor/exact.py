@@ -1,0 +1,143 @@
+"""The trainer's side of the exact forward (``precision.exact``): megatron's layers computing with the
+kernels vLLM computes with (``ops/exact.py``), and backward passes of the trainer's own math.
+
+Each piece is an autograd function whose forward is the exact kernel and whose backward is an
+ordinary gradient (the backward never has to match anything):
+
+- ``ExactRMSNorm``: the norm module of every norm (input, pre-MLP, q/k, final); backward through
+  torch's ``rms_norm`` recomputed from the saved input.
+- ``exact_linear``: BF16 GEMM forward with vLLM's batch-invariant matmul (the LM head, and every
+  linear of a BF16 layer); backward ``dx = dy·W``, ``dW = dyᵀ·x`` with torch's matmul.
+- ``exact_attention``: FlashAttention over a paged view of the packed K/V with one split, as vLLM
+  attends; backward by recomputing torch's varlen attention (the trainer's usual kernel) on the
+  same q, k, v.
+- FP8 linears keep ``fp8_block_linear`` with its FProp GEMM swapped for vLLM's CUTLASS call
+  (``VllmKernels.fp8_gemm``); DGrad and WGrad stay the trainer's.
+- RoPE, SiLU·mul, the residual adds and the embedding need nothing here: megatron computes them
+  with the same eager ops as ``ops.exact.rope`` / ``silu_mul`` (the layers route RoPE through it),
+  and vLLM runs those definitions.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from megatron_jetrl.ops.exact import VllmKernels, paged_kv
+from megatron_jetrl.ops.rms_norm import rms_norm
+
+
+class _ExactRmsNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xg, wg = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            y = F.rms_norm(xg.float(), (x.shape[-1],), wg.float(), ctx.eps)
+            dx, dw = torch.autograd.grad(y, (xg, wg), dy.float())
+        return dx, dw, None
+
+
+class ExactRMSNorm(torch.nn.Module):
+    """megatron norm module computing ``ops.rms_norm`` (the kernel vLLM's norms run in the exact
+    mode). Weights in the model's dtype; under sequence parallelism the weight gradient is partial
+    and marked for megatron's TP all-reduce, as in ``layers.RMSNorm``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ExactRmsNormFn.apply(x, self.weight, self.eps)
+
+
+class _ExactLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, gemm: Callable):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        y = gemm(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = (dy2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias, kernels: VllmKernels) -> torch.Tensor:
+    """``x · Wᵀ (+ b)`` with vLLM's batch-invariant BF16 GEMM forward, bias added after the GEMM as
+    vLLM adds it (see the module docstring)."""
+    return _ExactLinearFn.apply(x, weight, bias, kernels.bf16_gemm)
+
+
+def exact_forward_impl(kernels: VllmKernels, input, weight, bias=None, gradient_accumulation_fusion=False,
+                       allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **_unused):
+    """A megatron parallel linear's ``_forward_impl`` (GEMM plus its TP communication) with the
+    exact BF16 GEMM: for the LM head, which megatron builds itself (the actor sets this on the
+    instance), and the linears of BF16 layers."""
+    if gradient_accumulation_fusion:
+        raise ValueError("exact linears do not support gradient_accumulation_fusion; set it to False")
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    elif allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    return exact_linear(input, weight, bias, kernels)
+
+
+def bind_exact_forward(linear: torch.nn.Module, kernels: VllmKernels) -> None:
+    """Make a megatron ``ColumnParallelLinear`` built by megatron (the LM head) compute its forward
+    GEMM exactly: its ``_forward_impl`` becomes ``exact_forward_impl`` with these kernels."""
+    linear._forward_impl = functools.partial(exact_forward_impl, kernels)
+
+
+class _ExactAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, positions, max_seqlen: int, scale: float, kernels: VllmKernels,
+                backward_attention: Callable):
+        k_pages, v_pages, table, used = paged_kv(k, v, cu_seqlens, positions, max_seqlen)
+        out, _ = kernels.paged_attention(q.contiguous(), k_pages, v_pages, cu_seqlens, used, table, max_seqlen,
+                                         scale)
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.args = (max_seqlen, scale, backward_attention)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        max_seqlen, scale, attention = ctx.args
+        with torch.enable_grad():
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            out = attention(qg, kg, vg, cu_seqlens, max_seqlen, scale)
+            dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), dout)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def exact_attention(q_THD, k_THD, v_THD, cu_seqlens: torch.Tensor, positions: torch.Tensor, max_seqlen: int,
+                    scale: float, kernels: VllmKernels, backward_attention: Callable) -> torch.Tensor:
+    """Causal attention within each packed sequence, forward as vLLM computes it (FlashAttention,
+    paged K/V, one split); ``backward_attention(q, k, v, cu_seqlens, max_seqlen, scale)`` is
+    differentiated for the gradients. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    cu32 = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
+    return _ExactAttentionFn.apply(q_THD, k_THD, v_THD, cu32, positions, int(max_seqlen), float(scale), kernels,
+                                   backward_attention)

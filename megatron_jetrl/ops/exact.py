@@ -1,0 +1,239 @@
+"""The kernels of the exact forward (``precision.exact``): the ops whose results for a token depend
+only on that token's inputs (batch invariance), called by both the trainer and vLLM, so that the
+rollout's logprob of every token equals the trainer's bit for bit.
+
+Two kinds, one list (``EXACT_OPS``):
+
+- **defined here** and run by vLLM through out-of-tree custom ops (``rollout/vllm_exact.py``) and by
+  the trainer's layers (``actor/exact.py``):
+  ``rms_norm`` (``ops/rms_norm.py``: a kernel with a fixed reduction order; the residual add before it is a
+  plain BF16 add on both sides), ``silu_mul`` (``silu(gate) * up`` as eager torch ops, megatron's
+  SwiGLU rounding) and ``rope`` (megatron's rotary formula and frequencies, computed from each
+  token's position). Each is a ``torch.library`` custom op (``jetrl::...``), opaque to
+  torch.compile, so vLLM's compiled graph cannot fuse it into something that rounds differently.
+- **vLLM's own batch-invariant kernels** (what its layers call with ``VLLM_BATCH_INVARIANT=1``),
+  which the trainer's forward calls too (``VllmKernels``): the BF16 GEMM (the LM head, and the
+  linears of BF16 layers: vLLM's Triton persistent matmul, fixed tiles), the block-FP8 GEMM
+  (CUTLASS, the same call vLLM's ``CutlassFp8BlockScaledMMKernel`` makes), FlashAttention with one
+  KV split over a paged KV cache (the call vLLM's FlashAttention backend makes for prefill and
+  decode) and the sampled token's logprob (the Triton kernel of vLLM's V2 model runner, which its
+  sampler runs for ``raw_logprobs``: max and log-sum-exp of the BF16 logits, read once).
+
+Backward passes are the trainer's own math (``actor/exact.py``): only forwards must agree.
+
+Shapes: T tokens, H heads, D head dim; a packed batch is [T, H, D] with ``cu_seqlens`` [S + 1].
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron_jetrl.ops.rms_norm import rms_norm
+from megatron_jetrl.precision import Fp8Tensor
+
+EXACT_OPS = ("embedding", "rms_norm", "residual_add", "qk_norm", "rope", "attention", "silu_mul", "fp8_gemm",
+             "bf16_gemm", "lm_head", "token_logprob")
+"""Every op of a dense decoder's forward, in order; each is one kernel on both sides in the exact
+mode (embedding and the residual add are a gather and a BF16 add: exact by themselves)."""
+
+KV_PAGE = 16
+"""Tokens per KV-cache page: vLLM's block size in the exact mode (``llm_kwargs`` sets it) and the
+page size of the trainer's paged view of its K/V, so both call FlashAttention the same way."""
+
+
+class ExactUnavailable(RuntimeError):
+    """A kernel of the exact forward is missing: the exact mode refuses to run rather than fall
+    back to a kernel that rounds differently."""
+
+
+# ---------------------------------------------------------------- defined here (both homes)
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate | up]`` (last dim), each op rounded to x's dtype: the
+    value megatron's SwiGLU computes (``F.silu(x_glu) * x_linear``, eager)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """megatron's ``RotaryEmbedding.inv_freq`` (fp32, computed on ``device``)."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+
+
+def rope(t_THD: torch.Tensor, positions_T: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary embedding (non-interleaved halves, the whole head dim rotated) of ``t`` [T, H, D] at
+    each token's position: megatron's formula, bit for bit (``_apply_rotary_pos_emb_bshd`` with its
+    ``outer(arange, inv_freq)`` frequencies gathered by position): cos and sin in fp32, rounded to
+    t's dtype, then ``t * cos + rotate_half(t) * sin`` with each op rounded. The frequencies are
+    computed from the positions at every call (a few small kernels): no cached buffer that a CUDA
+    graph's memory pool could own."""
+    if t_THD.dim() != 3:
+        raise ValueError(f"rope takes [tokens, heads, head_dim]; got shape {tuple(t_THD.shape)}")
+    freqs = positions_T.to(torch.float32)[:, None] * rope_inv_freq(t_THD.shape[-1], base, t_THD.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = torch.cos(emb).to(t_THD.dtype), torch.sin(emb).to(t_THD.dtype)
+    x1, x2 = t_THD.chunk(2, dim=-1)
+    return t_THD * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@functools.cache
+def custom_ops() -> Any:
+    """``torch.ops.jetrl`` with the exact ops registered (once per process): ``rms_norm(x, w, eps)``,
+    ``add_rms_norm(x, residual, w, eps) -> (normed, x + residual)``, ``silu_mul(x)`` and
+    ``rope(positions, q, k, head_dim, base) -> (q, k)`` (q, k flat [T, H*D] as vLLM passes them)."""
+
+    @torch.library.custom_op("jetrl::rms_norm", mutates_args=())
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    @_rms_norm.register_fake
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.custom_op("jetrl::add_rms_norm", mutates_args=())
+    def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + residual
+        return rms_norm(total, weight, eps), total
+
+    @_add_rms_norm.register_fake
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x)
+
+    @torch.library.custom_op("jetrl::silu_mul", mutates_args=())
+    def _silu_mul(x: torch.Tensor) -> torch.Tensor:
+        return silu_mul(x)
+
+    @_silu_mul.register_fake
+    def _(x):
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+    @torch.library.custom_op("jetrl::rope", mutates_args=())
+    def _rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int,
+              base: float) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = positions.reshape(-1)
+        q = rope(query.reshape(flat.numel(), -1, head_dim), flat, base).reshape(query.shape)
+        k = rope(key.reshape(flat.numel(), -1, head_dim), flat, base).reshape(key.shape)
+        return q, k
+
+    @_rope.register_fake
+    def _(positions, query, key, head_dim, base):
+        return torch.empty_like(query), torch.empty_like(key)
+
+    return torch.ops.jetrl
+
+
+# ---------------------------------------------------------------- vLLM's batch-invariant kernels
+
+@dataclass(frozen=True)
+class VllmKernels:
+    """vLLM's kernels of the exact forward, resolved once (``vllm_kernels()``).
+
+    ``bf16_gemm(x [M, K], w [N, K]) -> [M, N]``: vLLM's ``linear_batch_invariant``.
+    ``cutlass_scaled_mm``: ``vllm._custom_ops.cutlass_scaled_mm``.
+    ``flash_attn_varlen_func`` and ``fa_version``: vLLM's FlashAttention and the version its backend
+    picked on this GPU.
+    ``token_logprobs(logits [M, V], ids [M, k]) -> [M, k] fp32``: vLLM's V2 model runner's logprob
+    kernel (one program per row; any row stride).
+    """
+
+    bf16_gemm: Callable[..., torch.Tensor]
+    cutlass_scaled_mm: Callable[..., torch.Tensor]
+    flash_attn_varlen_func: Callable[..., Any]
+    fa_version: int
+    descale_query: bool
+    """Whether vLLM's backend passes a query descale (its ``supports_quant_query_input``)."""
+    token_logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def fp8_gemm(self, a: Fp8Tensor, w: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``a · wᵀ`` -> [M, N]: a with 1x128 groups (scales group-major, strides (1, M), as the
+        trainer's quantization kernel returns them), w with 128x128 blocks: the arguments vLLM's
+        CUTLASS block-FP8 linear passes (``ops.cutlass_scaled_mm(A, B.T, scale_a=As, scale_b=Bs.T)``)."""
+        scale_a = a.scale_inv
+        if a.data.shape[0] > 1 and scale_a.stride(0) != 1:
+            scale_a = scale_a.t().contiguous().t()
+        return self.cutlass_scaled_mm(a.data, w.data.t(), scale_a=scale_a, scale_b=w.scale_inv.t(),
+                                      out_dtype=out_dtype)
+
+    def paged_attention(self, q_THD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                        max_seqlen: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of each packed sequence's queries over its own pages of K/V, with one KV
+        split: (out [T, H, D], lse [H, T] fp32). The call vLLM's FlashAttention backend makes, its
+        unit descales included (a BF16 cache's scales are 1)."""
+        ones = torch.ones(1, dtype=torch.float32, device=q_THD.device).expand(seqused_k.numel(), k_pages.shape[2])
+        out, lse = self.flash_attn_varlen_func(
+            q=q_THD, k=k_pages, v=v_pages, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen,
+            seqused_k=seqused_k, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True,
+            block_table=block_table, return_softmax_lse=True, fa_version=self.fa_version, num_splits=1,
+            q_descale=ones if self.descale_query else None, k_descale=ones, v_descale=ones)
+        return out, lse
+
+
+BATCH_INVARIANT_MODULES = ("vllm.model_executor.layers.batch_invariant",
+                           "vllm.model_executor.determinism.batch_invariant")
+"""Where vLLM keeps its batch-invariant kernels (0.26: layers/; later releases: determinism/)."""
+
+
+@functools.cache
+def vllm_kernels() -> VllmKernels:
+    """Resolve vLLM's kernels of the exact forward; ``ExactUnavailable`` names the first missing
+    one (the exact mode never falls back to another kernel)."""
+    try:
+        import vllm._custom_ops as vllm_ops
+    except ImportError as e:
+        raise ExactUnavailable(f"precision.exact needs vLLM (its batch-invariant kernels): {e}") from e
+    module = None
+    for name in BATCH_INVARIANT_MODULES:
+        try:
+            module = importlib.import_module(name)
+            break
+        except ImportError:
+            continue
+    if module is None:
+        raise ExactUnavailable(f"vLLM has no batch-invariant kernels ({' or '.join(BATCH_INVARIANT_MODULES)})")
+    if not hasattr(module, "linear_batch_invariant") or not hasattr(vllm_ops, "cutlass_scaled_mm"):
+        raise ExactUnavailable("vLLM lacks linear_batch_invariant or _custom_ops.cutlass_scaled_mm (the exact forward)")
+    try:
+        from vllm.v1.attention.backends.fa_utils import (flash_attn_supports_quant_query_input,
+                                                         get_flash_attn_version)
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError as e:
+        raise ExactUnavailable(f"precision.exact needs vLLM's FlashAttention and V2 model runner: {e}") from e
+    version = get_flash_attn_version()
+    if version is None:
+        raise ExactUnavailable("vLLM finds no FlashAttention for this GPU; precision.exact needs it")
+    return VllmKernels(bf16_gemm=module.linear_batch_invariant, cutlass_scaled_mm=vllm_ops.cutlass_scaled_mm,
+                       flash_attn_varlen_func=flash_attn_varlen_func, fa_version=int(version),
+                       descale_query=bool(flash_attn_supports_quant_query_input()),
+                       token_logprobs=compute_token_logprobs)
+
+
+def paged_kv(k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor, positions_T: torch.Tensor,
+             max_seqlen: int, page: int = KV_PAGE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed batch's K/V as a paged cache, as vLLM holds it: each sequence on its own pages of
+    ``page`` tokens (zero-filled after its last token). Returns (k_pages [P, page, Hkv, D], v_pages,
+    block_table [S, max pages] int32, seqused_k [S] int32). No host synchronization: the page count
+    is bounded by T / page + S."""
+    tokens, heads, dim = k_THD.shape
+    seqs = cu_seqlens.numel() - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    pages_per_seq = (lens + page - 1) // page
+    first_page = torch.cumsum(pages_per_seq, 0) - pages_per_seq
+    num_pages = tokens // page + seqs + 1
+    index = torch.arange(tokens, device=k_THD.device)
+    seq_of_token = torch.searchsorted(cu_seqlens[1:].to(torch.int64), index, right=True)
+    slot = first_page[seq_of_token] * page + positions_T.to(torch.int64)
+    k_pages = k_THD.new_zeros(num_pages * page, heads, dim).index_copy_(0, slot, k_THD)
+    v_pages = v_THD.new_zeros(num_pages * page, heads, v_THD.shape[-1]).index_copy_(0, slot, v_THD)
+    max_pages = (max_seqlen + page - 1) // page
+    table = (first_page[:, None] + torch.arange(max_pages, device=k_THD.device)[None, :]).clamp_(max=num_pages - 1)
+    return (k_pages.view(num_pages, page, heads, dim), v_pages.view(num_pages, page, heads, -1),
+            table.to(torch.int32), lens.to(torch.int32))

@@ -1,0 +1,188 @@
+"""vLLM's side of the exact forward (``precision.exact``): vLLM computes every op with the kernel the
+trainer's forward computes it with, so the logprob of every sampled token equals the trainer's
+bit for bit.
+
+How:
+- ``VLLM_BATCH_INVARIANT=1`` (the launcher sets it, ``PrecisionRecipe.vllm_env``): vLLM's own
+  batch-invariant mode. Its BF16 GEMMs (LM head, linears of BF16 layers) run its Triton persistent
+  matmul, its log-softmax a Triton kernel, its FlashAttention one KV split; block-FP8 GEMMs keep
+  CUTLASS, which gives every row the same bits whatever the number of rows. The trainer calls
+  these same kernels (``ops.exact.VllmKernels``).
+- Out-of-tree replacements (``CustomOp.register_oot``, as ``vllm_quant`` does for ``QuantFP8``) for
+  the ops vLLM would otherwise compute its own way: ``RMSNorm`` (with its residual add) runs
+  ``jetrl::rms_norm`` / ``jetrl::add_rms_norm``, ``SiluAndMul`` runs ``jetrl::silu_mul`` and the
+  rotary embedding runs ``jetrl::rope`` (``ops/exact.py``): opaque custom ops, so torch.compile and
+  CUDA graphs run them as they are.
+- ``llm_kwargs``: FlashAttention as the attention backend, KV-cache pages of ``ops.exact.KV_PAGE``
+  tokens (the trainer's paged view uses the same), no prefix caching across weight updates
+  (kept), cascade attention off (vLLM does that itself in this mode).
+- ``check_engine``: after vLLM built the model, every norm, activation and rotary module must be
+  one of the replacements and every attention layer must run FlashAttention of the trainer's
+  version; anything else is an error at engine start, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+from megatron_jetrl.ops.exact import KV_PAGE, custom_ops, vllm_kernels
+
+_REPLACED = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
+
+
+def _registry() -> dict:
+    from vllm.model_executor.custom_op import CustomOp
+
+    return sys.modules[CustomOp.__module__].op_registry_oot
+
+
+def install() -> None:
+    """Make vLLM build its ``RMSNorm``, ``SiluAndMul`` and ``RotaryEmbedding`` modules as the exact ops
+    (call before ``vllm.LLM`` builds the model; installing again is a no-op)."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    registry = _registry()
+    if all(getattr(registry.get(name), "jetrl_exact", False) for name in _REPLACED):
+        return
+    taken = [name for name in _REPLACED if name in registry]
+    if taken:
+        raise RuntimeError(f"vLLM's {', '.join(taken)} already have out-of-tree replacements "
+                           f"({[registry[n].__qualname__ for n in taken]}); precision.exact needs its own")
+    ops = custom_ops()
+
+    class ExactRMSNorm(RMSNorm):
+        """``RMSNorm`` computing ``jetrl::rms_norm`` (with a residual: the BF16 add, then the norm)."""
+
+        jetrl_exact = True
+
+        def forward_native(self, x, residual=None):
+            if self.variance_size_override is not None or not self.has_weight:
+                raise RuntimeError("precision.exact: an RMSNorm with a partial variance or no weight has no "
+                                   "exact kernel")
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.variance_epsilon)
+            return ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+
+        forward_cuda = forward_native
+
+    class ExactSiluAndMul(SiluAndMul):
+        """``SiluAndMul`` computing ``jetrl::silu_mul`` (megatron's SwiGLU rounding)."""
+
+        jetrl_exact = True
+
+        def forward_native(self, x):
+            return ops.silu_mul(x)
+
+        forward_cuda = forward_native
+
+    class ExactRotaryEmbedding(RotaryEmbedding):
+        """``RotaryEmbedding`` computing ``jetrl::rope`` (megatron's formula, frequencies from positions)."""
+
+        jetrl_exact = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if not self.is_neox_style or self.rotary_dim != self.head_size:
+                raise RuntimeError(f"precision.exact: rotary embedding with is_neox_style={self.is_neox_style}, "
+                                   f"rotary_dim={self.rotary_dim} of head_size={self.head_size} has no exact "
+                                   "kernel (the whole head, non-interleaved halves)")
+
+        def forward_native(self, positions, query, key=None):
+            if key is None:
+                raise RuntimeError("precision.exact: a rotary embedding without key has no exact kernel")
+            return ops.rope(positions, query, key, self.head_size, float(self.base))
+
+        forward_cuda = forward_native
+
+    RMSNorm.register_oot(ExactRMSNorm)
+    SiluAndMul.register_oot(ExactSiluAndMul)
+    RotaryEmbedding.register_oot(ExactRotaryEmbedding)
+    for cls, base in ((ExactRMSNorm, RMSNorm), (ExactSiluAndMul, SiluAndMul),
+                      (ExactRotaryEmbedding, RotaryEmbedding)):
+        cls.name = base.name  # enabled / disabled by vLLM's own settings, like the original
+    _forget_rotary_embeddings()
+
+
+def _forget_rotary_embeddings() -> None:
+    """vLLM's ``get_rope`` hands out one cached module per rotary configuration for the process:
+    without forgetting them, a model built after ``install`` (or ``uninstall``) would get one made
+    before it. ``check_engine`` would refuse such a model; this keeps it from being built."""
+    import vllm.model_executor.layers.rotary_embedding as rotary
+
+    cache = getattr(rotary, "_ROPE_DICT", None)
+    if cache is None:
+        raise RuntimeError("precision.exact: this vLLM keeps no _ROPE_DICT; the exact rotary embedding cannot make "
+                           "sure vLLM builds it afresh (update rollout/vllm_exact.py for this version)")
+    cache.clear()
+
+
+def uninstall() -> None:
+    """Undo ``install`` for modules built afterwards (tests; one engine per process otherwise)."""
+    registry = _registry()
+    if any(getattr(registry.get(name), "jetrl_exact", False) for name in _REPLACED):
+        for name in _REPLACED:
+            registry.pop(name, None)
+        _forget_rotary_embeddings()
+
+
+def llm_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments of an exact engine, from the engine's usual ones."""
+    out = dict(kwargs)
+    out["block_size"] = KV_PAGE
+    out["attention_config"] = {"backend": "FLASH_ATTN"}
+    return out
+
+
+def check_engine(worker: Any) -> dict[str, int]:
+    """Raise unless the vLLM worker's model computes every op with the exact kernels and samples
+    with the V2 model runner (whose logprob kernel the trainer calls); see the module docstring.
+    Returns how many modules of each kind it checked."""
+    if not worker.vllm_config.use_v2_model_runner:
+        raise RuntimeError("precision.exact: vLLM runs its V1 model runner, whose logprob kernel is not the one the "
+                           "trainer calls; export VLLM_USE_V2_MODEL_RUNNER=1 (jetrl train sets it)")
+    counts, wrong = replaced_modules(worker.get_model())
+    version = vllm_kernels().fa_version
+    for name, impl in counts.pop("attention_impls"):
+        got = getattr(impl, "vllm_flash_attn_version", None)
+        if type(impl).__name__ != "FlashAttentionImpl" or got != version:
+            wrong.append(f"{name}: attention {type(impl).__name__} (FlashAttention version {got}; the trainer's is "
+                         f"{version})")
+    if wrong:
+        raise RuntimeError("precision.exact: vLLM built modules without their exact kernels (the rollout would "
+                           "not be exact): " + "; ".join(wrong[:8]))
+    if not counts["norms"] or not counts["attention"]:
+        raise RuntimeError(f"precision.exact: found no norm or attention layer in vLLM's model ({counts}); "
+                           "this architecture is not covered")
+    return counts
+
+
+def replaced_modules(model: Any) -> tuple[dict, list[str]]:
+    """Count vLLM's norm, activation, rotary and attention modules, and name every norm, activation
+    or rotary module that is not one of the exact replacements. ``counts["attention_impls"]`` lists
+    (name, attention backend impl) for ``check_engine``."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    counts: dict = {"norms": 0, "activations": 0, "rotary": 0, "attention": 0, "attention_impls": []}
+    wrong = []
+    for name, module in model.named_modules():
+        kind = None
+        if type(module).__name__.endswith("RMSNorm"):  # RMSNorm and its siblings (Gemma's, gated, ...)
+            kind = "norms"
+        elif isinstance(module, SiluAndMul):
+            kind = "activations"
+        elif isinstance(module, RotaryEmbeddingBase):
+            kind = "rotary"
+        elif isinstance(module, Attention):
+            counts["attention"] += 1
+            counts["attention_impls"].append((name, module.impl))
+        if kind is not None:
+            counts[kind] += 1
+            if not getattr(type(module), "jetrl_exact", False):
+                wrong.append(f"{name}: {type(module).__qualname__}")
+    return counts, wrong

@@ -1,0 +1,89 @@
+"""The exact rollout's vLLM side against the installed vLLM (0.32), on the CPU: with the replacements
+installed, vLLM's real Qwen3 builds every norm, activation and rotary module as the exact op, each
+computing what ``ops/exact.py`` computes, as one opaque call under torch.compile; the engine's
+arguments ask for FlashAttention with the trainer's page size; without the replacements, the
+engine's check names every module left on vLLM's own kernel. (That vLLM's logprobs then equal
+the trainer's is a GPU test: tests/gpu/test_exact.py.)"""
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm not installed; runs in the vLLM venv of .ci/run")
+
+import torch  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
+
+from megatron_jetrl.ops.exact import KV_PAGE, rope, silu_mul  # noqa: E402
+from megatron_jetrl.ops.rms_norm import rms_norm_reference  # noqa: E402
+from megatron_jetrl.precision import PrecisionMode, PrecisionRecipe  # noqa: E402
+from megatron_jetrl.rollout import vllm_exact  # noqa: E402
+from tests.contract.vllm_cpu import build_vllm_model, cpu_vllm_config, tiny_model, write_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("vllm_world")
+
+
+@pytest.fixture
+def exact_model(tmp_path):
+    """vLLM's Qwen3 built with the replacements installed (removed again after the test)."""
+    model_dir = write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt")
+    config = cpu_vllm_config(model_dir, PrecisionRecipe(mode=PrecisionMode.BF16, exact=True))
+    vllm_exact.install()
+    try:
+        yield config, build_vllm_model(config)
+    finally:
+        vllm_exact.uninstall()
+
+
+def test_engine_arguments_ask_for_flash_attention_and_the_trainers_pages(exact_model):
+    config, _ = exact_model
+    assert config.cache_config.block_size == KV_PAGE
+    assert config.attention_config.backend.name == "FLASH_ATTN"
+
+
+def test_every_norm_activation_and_rotary_is_the_exact_op(exact_model):
+    config, model = exact_model
+    counts, wrong = vllm_exact.replaced_modules(model)
+    assert not wrong, wrong
+    assert counts["norms"] == 2 * 4 + 1 and counts["activations"] == 2 and counts["rotary"] >= 1, counts
+    assert counts["attention"] == 2
+    layer = model.model.layers[1]
+    g = torch.Generator().manual_seed(0)
+    h = layer.input_layernorm.weight.shape[0]
+    x = torch.randn(5, h, generator=g).to(torch.bfloat16)
+    r = torch.randn(5, h, generator=g).to(torch.bfloat16)
+    w, eps = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
+    with set_current_vllm_config(config), torch.no_grad():
+        normed, total = layer.input_layernorm(x, r)
+        assert torch.equal(total, x + r) and torch.equal(normed, rms_norm_reference(x + r, w, eps))
+        assert torch.equal(layer.input_layernorm(x), rms_norm_reference(x, w, eps))
+        gu = torch.randn(5, 1024, generator=g).to(torch.bfloat16)
+        assert torch.equal(layer.mlp.act_fn(gu), silu_mul(gu))
+        attn = layer.self_attn
+        pos = torch.tensor([0, 3, 1, 7, 2])
+        q = torch.randn(5, attn.q_size, generator=g).to(torch.bfloat16)
+        k = torch.randn(5, attn.kv_size, generator=g).to(torch.bfloat16)
+        rq, rk = attn.rotary_emb(pos, q, k)
+        d = attn.head_dim
+        assert torch.equal(rq, rope(q.view(5, -1, d), pos, attn.rotary_emb.base).view(5, -1))
+        assert torch.equal(rk, rope(k.view(5, -1, d), pos, attn.rotary_emb.base).view(5, -1))
+        # vLLM compiles the model in one graph: each op stays one opaque call with the same values
+        compiled = torch.compile(lambda a, b: layer.input_layernorm(a, b), fullgraph=True, backend="aot_eager")
+        c_normed, c_total = compiled(x, r)
+        assert torch.equal(c_normed, normed) and torch.equal(c_total, total)
+
+
+def test_without_the_replacements_the_check_names_the_modules(tmp_path):
+    model_dir = write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt")
+    model = build_vllm_model(cpu_vllm_config(model_dir, PrecisionRecipe(mode=PrecisionMode.BF16, exact=True)))
+    counts, wrong = vllm_exact.replaced_modules(model)
+    assert counts["norms"] == 9 and len(wrong) == 9 + 2 + counts["rotary"], wrong
+    assert any("input_layernorm: RMSNorm" in w for w in wrong) and any("SiluAndMul" in w for w in wrong)
+
+
+def test_install_is_idempotent_and_uninstall_restores_vllms_classes():
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    vllm_exact.install()
+    vllm_exact.install()
+    assert all(getattr(op_registry_oot[n], "jetrl_exact", False) for n in ("RMSNorm", "SiluAndMul", "RotaryEmbedding"))
+    vllm_exact.uninstall()
+    assert not any(n in op_registry_oot for n in ("RMSNorm", "SiluAndMul", "RotaryEmbedding"))

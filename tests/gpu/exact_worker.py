@@ -1,0 +1,181 @@
+"""The exact rollout (``precision.exact``) inside real vLLM on a GPU, run under torchrun by
+tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
+
+    torchrun --nproc-per-node 1 tests/gpu/exact_worker.py --root DIR --scenarios NAME
+
+- exact_<mode> (bf16, fp8): the tiny Qwen3 (4 layers, random weights sharpened by three supervised
+  steps), vLLM with torch.compile and CUDA graphs as a job runs it. vLLM samples (temperature 1) for
+  one prompt alone and for 64 prompts x 4 samples (256 sequences at once); the trainer recomputes
+  every sampled token's logprob in packed micro-batches, and the update's own forward computes
+  them again: each must equal vLLM's bit for bit. Then two optimizer steps on those rollouts, a
+  sync, and the same again.
+- exact_fp8_8b6 / exact_bf16_8b6: 6 layers at Qwen3-8B widths (vocabulary 151,936), random
+  weights from megatron's initialisation (not vLLM's dummy weights, whose logits are uniform).
+- exact_fallback: an engine whose norm / activation / rotary replacements were not installed (as
+  if vLLM ignored them) must refuse to start, naming the modules; an actor whose modules are not
+  all exact must refuse too.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
+from megatron_jetrl.algo import cross_entropy_loss  # noqa: E402
+from megatron_jetrl.models import bridge_for  # noqa: E402
+from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
+from megatron_jetrl.rollout import SamplingParams  # noqa: E402
+from megatron_jetrl.rollout import vllm_exact  # noqa: E402
+from megatron_jetrl.rollout.vllm_engine import VllmEngine, VllmOptions  # noqa: E402
+from megatron_jetrl.sync import SyncPlan, WeightSync  # noqa: E402
+from tests.gpu.actor_worker import main, make_batch  # noqa: E402
+from tests.gpu.sync_worker import ARCH  # noqa: E402
+from tests.gpu.vllm_worker import Scenarios as VllmScenarios  # noqa: E402
+
+
+def rollout_batch(prompts, samples) -> tuple[PackedBatch, torch.Tensor]:
+    """The samples as the trainer packs them (prompt + response, loss on the response, advantages
+    alternating in sign), and the engine's logprob of every token (0 on prompt tokens)."""
+    seqs, masks, adv, rollout = [], [], [], []
+    for i, s in enumerate(samples):
+        p = prompts[s.prompt_index]
+        seqs.append(torch.tensor(p + s.tokens))
+        masks.append(torch.tensor([0.0] * len(p) + [1.0] * len(s.tokens)))
+        adv.append(torch.full((len(p) + len(s.tokens),), 1.0 if i % 2 else -1.0))
+        rollout.append(torch.tensor([0.0] * len(p) + list(s.logprobs), dtype=torch.float32))
+    batch = PackedBatch.from_sequences(seqs, loss_mask=masks, advantages=adv)
+    return batch, torch.cat(rollout)
+
+
+def equality(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Exactness of the trainer's logprobs against the engine's over response tokens: unequal
+    tokens (fp32 comparison), max |Δlogp|, k3 KL."""
+    keep = mask > 0
+    t, g = trainer_lp[keep].float(), rollout_lp[keep].float()
+    log_r = (t.double() - g.double()).clamp(-20, 20)
+    return {"tokens": int(keep.sum()), "equal": bool(torch.equal(t, g)), "unequal": int((t != g).sum()),
+            "max_abs_dlogp": float((t - g).abs().max()), "k3": float((log_r.exp() - log_r - 1).mean()),
+            "mean_logp": float(t.mean())}
+
+
+def policy_loss(inputs):
+    """A loss that moves the weights: -advantage x logprob over the response tokens."""
+    mask = inputs.fields["loss_mask"]
+    loss = -(inputs.fields["advantages"] * inputs.logprobs * mask).sum() / inputs.global_tokens
+    return loss, {"loss": loss.detach()}
+
+
+class Scenarios(VllmScenarios):
+    def _exact_actor(self, mode: str, hf_config: dict | None, mb_tokens: int) -> Actor:
+        if hf_config is None:  # the tiny model, from its converted checkpoint
+            actor = self.actor(ARCH, mode=mode, lr=1e-3, exact=True, mb_tokens=mb_tokens)
+        else:  # megatron's random initialisation at real widths
+            recipe = PrecisionRecipe(mode=mode, exact=True)
+            settings = ActorSettings(precision=recipe, max_tokens_per_microbatch=mb_tokens,
+                                     optimizer=OptimizerSettings(lr=1e-4, weight_decay=0.0, clip_grad=1.0))
+            actor = Actor(bridge_for(hf_config), settings)
+        vocab = actor.bridge.dims.vocab_size
+        for step in range(3):  # distributions away from uniform
+            actor.update(make_batch(vocab, seed=100 + step), cross_entropy_loss)
+        return actor
+
+    def _round(self, actor, engine, sync, prompts, n: int, new_tokens: int, seed: int) -> dict:
+        """Sync, sample, compare: the recomputation and the update's own forward (which then steps)."""
+        engine.sleep()
+        sync.sync(actor.weight_shards(), engine)
+        engine.wake()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        samples = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens,
+                                                          seed=seed))
+        generate_s = time.perf_counter() - start
+        engine.sleep()
+        batch, rollout_lp = rollout_batch(prompts, samples)
+        mask = batch.fields["loss_mask"]
+        recomputed = equality(actor.compute_logprobs(batch).logprobs, rollout_lp, mask)
+        _, update_lp = actor.update(batch, policy_loss, with_logprobs=True)
+        return {"sequences": len(samples), "generate_s": generate_s, "recompute": recomputed,
+                "update_forward": equality(update_lp, rollout_lp, mask)}
+
+    def _exact(self, name: str, mode: str, *, hf_config: dict | None = None, prompt_len: int = 48,
+               new_tokens: int = 96, mb_tokens: int = 256, memory: float = 0.3):
+        actor = self._exact_actor(mode, hf_config, mb_tokens)
+        recipe = actor.settings.precision
+        options = VllmOptions(gpu_memory_utilization=memory, max_model_len=prompt_len + new_tokens, max_num_seqs=256,
+                              cuda_graph_max_batch=256)
+        start = time.perf_counter()
+        engine = VllmEngine(actor.bridge.hf_config, recipe, options)
+        r = {"engine_start_s": time.perf_counter() - start, "exact_modules": engine.exact_modules}
+        plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, 1, self.world)
+        sync = WeightSync(plan, dist.get_rank(), device=actor.device)
+        vocab = actor.bridge.dims.vocab_size
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
+                   for n in torch.randint(8, prompt_len + 1, (64,), generator=g)]
+        r["batch1"] = self._round(actor, engine, sync, prompts[:1], 1, new_tokens, seed=11)
+        r["batch256"] = self._round(actor, engine, sync, prompts, 4, new_tokens, seed=12)
+        actor.update(make_batch(vocab, seed=7), cross_entropy_loss)  # the rounds stepped once each already
+        r["after_steps"] = self._round(actor, engine, sync, prompts, 4, new_tokens, seed=13)
+        r["steps"] = actor.steps
+        self.record(name, r)
+        engine.close()
+        actor.close()
+
+    def exact_fp8(self):
+        self._exact("exact_fp8", "fp8")
+
+    def exact_bf16(self):
+        self._exact("exact_bf16", "bf16")
+
+    def exact_fp8_8b6(self):
+        from benchmarks.model_shapes import qwen3_8b_shaped
+
+        self._exact("exact_fp8_8b6", "fp8", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192, memory=0.25)
+
+    def exact_bf16_8b6(self):
+        from benchmarks.model_shapes import qwen3_8b_shaped
+
+        self._exact("exact_bf16_8b6", "bf16", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
+                    memory=0.25)
+
+    def exact_fallback(self):
+        """Neither side starts with a module left on a non-exact kernel."""
+        actor = self.actor(ARCH, mode="fp8", exact=True)
+        recipe = actor.settings.precision
+        r = {}
+        real = vllm_exact.install
+        vllm_exact.install = lambda: None  # vLLM builds its own RMSNorm, SiluAndMul, RotaryEmbedding
+        try:
+            VllmEngine(actor.bridge.hf_config, recipe, VllmOptions(gpu_memory_utilization=0.2, max_model_len=256,
+                                                                   enforce_eager=True))
+            r["engine_refused"] = False
+        except RuntimeError as e:
+            r["engine_refused"] = "without their exact kernels" in str(e)
+            r["engine_error"] = str(e)[:400]
+        finally:
+            vllm_exact.install = real
+        from megatron_jetrl.actor import model as model_lib
+        from megatron_jetrl.actor.layers import RMSNorm
+
+        norm = next(n for n, m in actor.gpt.named_modules() if type(m).__name__ == "ExactRMSNorm")
+        parent, _, leaf = norm.rpartition(".")
+        setattr(actor.gpt.get_submodule(parent), leaf, RMSNorm(actor.config, actor.bridge.dims.hidden_size))
+        try:
+            model_lib.check_exact(actor.gpt)
+            r["actor_refused"] = False
+        except RuntimeError as e:
+            r["actor_refused"] = norm in str(e)
+            r["actor_error"] = str(e)[:400]
+        self.record("exact_fallback", r)
+        actor.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(Scenarios))

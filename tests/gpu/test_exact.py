@@ -1,0 +1,69 @@
+"""The exact rollout inside real vLLM (``precision.exact``; scenarios in tests/gpu/exact_worker.py,
+one torchrun launch per engine): the logprob vLLM reports for every sampled token equals the
+trainer's, bit for bit (``torch.equal``, max |Δlogp| = 0, k3 = 0), in BF16 and unified FP8, for one
+prompt alone and 256 sequences at once, with torch.compile and CUDA graphs as a job runs the
+engine, after a sync and after optimizer steps; the update's own forward gives the same values;
+at the tiny model's widths and at Qwen3-8B's (6 layers); and neither side starts with a module
+left on a non-exact kernel.
+
+Skipped (with the reason) where vLLM is not installed; with ``JETRL_REQUIRE_VLLM=1`` (set by
+benchmarks/vllm_gpu.sh) a missing vLLM fails instead.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_jetrl.precision import PrecisionRecipe
+from megatron_jetrl.rollout.vllm_engine import VllmOptions, engine_env
+from tests.gpu.conftest import requires_vllm
+from tests.gpu.test_actor import _launch, _ok
+
+WORKER = Path(__file__).with_name("exact_worker.py")
+pytestmark = [pytest.mark.gpu, requires_vllm]
+
+
+def _run(tmp_path_factory, scenario: str) -> dict:
+    env = engine_env(PrecisionRecipe(exact=True), VllmOptions())  # the launcher's part: vLLM reads these at import
+    saved = {var: os.environ.get(var) for var in env}
+    os.environ.update(env)
+    try:  # for the worker only: later engine tests of this process run without the exact mode's settings
+        data = _launch(tmp_path_factory.mktemp(scenario), 1, scenario, worker=WORKER)
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+    _ok(data, scenario)
+    return data["results"][scenario]
+
+
+def _exact(r: dict) -> None:
+    print(json.dumps(r, indent=1))
+    assert all(r["exact_modules"][k] > 0 for k in ("norms", "activations", "rotary", "attention")), r
+    for case in ("batch1", "batch256", "after_steps"):
+        for side in ("recompute", "update_forward"):
+            got = r[case][side]
+            assert got["tokens"] > 0 and got["equal"], (case, side, got)
+            assert got["unequal"] == 0 and got["max_abs_dlogp"] == 0.0 and got["k3"] == 0.0, (case, side, got)
+    assert r["batch1"]["sequences"] == 1 and r["batch256"]["sequences"] == 256
+    assert r["steps"] == 3 + 3 + 1  # warm-up, one per round, one in between: the weights moved
+
+
+@pytest.mark.parametrize("mode", ["fp8", "bf16"])
+def test_rollout_logprobs_equal_the_trainers_bit_for_bit(tmp_path_factory, mode):
+    _exact(_run(tmp_path_factory, f"exact_{mode}"))
+
+
+@pytest.mark.parametrize("mode", ["fp8", "bf16"])
+def test_exact_at_qwen3_8b_widths(tmp_path_factory, mode):
+    _exact(_run(tmp_path_factory, f"exact_{mode}_8b6"))
+
+
+def test_no_side_starts_with_a_non_exact_kernel(tmp_path_factory):
+    r = _run(tmp_path_factory, "exact_fallback")
+    assert r["engine_refused"], r
+    assert r["actor_refused"], r

@@ -1,0 +1,296 @@
+"""The exact forward's pieces that run without a GPU (``precision.exact``; ops/exact.py,
+actor/exact.py, the job rules): the ops defined once are megatron's arithmetic bit for bit, the
+custom ops vLLM runs are those functions under torch.compile, the trainer's paged view of its
+K/V holds each sequence where vLLM's cache would, exact logprobs take their values from the given
+logprob kernel and their gradient from the compiled path, and every layout that cannot be
+exact is refused at config time naming the key. (The equality with vLLM itself is a GPU test:
+tests/gpu/test_exact.py.)"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
+
+from megatron_jetrl.actor.exact import ExactRMSNorm  # noqa: E402
+from megatron_jetrl.actor.layers import EXACT_ATTR, apply_rotary_pos_emb_packed, packed_positions  # noqa: E402
+from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs  # noqa: E402
+from megatron_jetrl.algo import mismatch_metrics  # noqa: E402
+from megatron_jetrl.config import ConfigError  # noqa: E402
+from megatron_jetrl.job import load_job  # noqa: E402
+from megatron_jetrl.job.config import check_exact_model, resolve  # noqa: E402
+from megatron_jetrl.models import bridge_for  # noqa: E402
+from megatron_jetrl.ops.exact import custom_ops, paged_kv, rope, rope_inv_freq, silu_mul  # noqa: E402
+from megatron_jetrl.ops.extension import load_extension  # noqa: E402
+from megatron_jetrl.ops.rms_norm import rms_norm_reference  # noqa: E402
+from megatron_jetrl.precision import PrecisionMode, PrecisionRecipe  # noqa: E402
+
+CONFIG = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False,
+                         mrope_section=None, rotary_base=1000000)
+ONE_RANK = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+
+
+def _have_extension() -> bool:
+    try:
+        load_extension()
+        return True
+    except Exception:
+        return False
+
+
+needs_extension = pytest.mark.skipif(not _have_extension(), reason="megatron_jetrl._C is not built here")
+
+
+# ------------------------------------------------------------------ ops defined once
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_is_megatrons_formula_and_frequencies(dtype):
+    """``ops.exact.rope`` (what vLLM runs) = megatron's thd RoPE with its RotaryEmbedding angles."""
+    g = torch.Generator().manual_seed(0)
+    lengths, heads, dim, base = [7, 1, 130, 33], 4, 128, 1000000.0
+    tokens = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    t = (torch.randn(tokens, heads, dim, generator=g) * 3).to(dtype)
+    angles = torch.outer(torch.arange(max(lengths), dtype=torch.float32), rope_inv_freq(dim, base, t.device))
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    want = apply_rotary_pos_emb(t, freqs, CONFIG, cu_seqlens=cu, cp_group=ONE_RANK)
+    got = rope(t, packed_positions(cu, tokens), base)
+    assert torch.equal(got, want)
+    # and megatron's attention reaches it in an exact-mode model
+    exact_config = SimpleNamespace(**vars(CONFIG), **{EXACT_ATTR: True})
+    assert torch.equal(apply_rotary_pos_emb_packed(t, freqs, exact_config, cu_seqlens=cu, cp_group=ONE_RANK), want)
+
+
+def test_rope_inv_freq_is_megatrons():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rotary = RotaryEmbedding(kv_channels=128, rotary_percent=1.0, rotary_base=1000000, use_cpu_initialization=True)
+    assert torch.equal(rope_inv_freq(128, 1000000.0, torch.device("cpu")), rotary.inv_freq)
+
+
+def test_silu_mul_is_megatrons_swiglu():
+    """megatron's MLP: ``activation_func(x_glu) * (x_linear + glu_linear_offset)``, offset 0."""
+    x = (torch.randn(64, 2 * 384) * 4).to(torch.bfloat16)
+    gate, up = torch.chunk(x, 2, dim=-1)
+    assert torch.equal(silu_mul(x), F.silu(gate) * (up + 0.0))
+
+
+@needs_extension
+def test_custom_ops_are_the_functions_and_trace_as_one_call():
+    ops = custom_ops()
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 256, generator=g) * 2).to(torch.bfloat16)
+    r = (torch.randn(6, 256, generator=g)).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(256, generator=g)).to(torch.bfloat16)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+    normed, total = ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(total, x + r) and torch.equal(normed, rms_norm_reference(x + r, w, 1e-6))
+    gu = torch.randn(6, 512, generator=g).to(torch.bfloat16)
+    assert torch.equal(ops.silu_mul(gu), silu_mul(gu))
+    pos = torch.tensor([0, 1, 2, 0, 5, 9])
+    q = torch.randn(6, 2 * 128, generator=g).to(torch.bfloat16)
+    k = torch.randn(6, 128, generator=g).to(torch.bfloat16)
+    rq, rk = ops.rope(pos, q, k, 128, 10000.0)
+    assert torch.equal(rq, rope(q.view(6, 2, 128), pos, 10000.0).view(6, 256))
+    assert torch.equal(rk, rope(k.view(6, 1, 128), pos, 10000.0).view(6, 128))
+
+    def layer(x, r, w, gu, pos, q, k):
+        n, t = ops.add_rms_norm(x, r, w, 1e-6)
+        return n, t, ops.silu_mul(gu), *ops.rope(pos, q, k, 128, 10000.0)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, r, w, gu, pos, q, k)
+    for got, want in zip(compiled, layer(x, r, w, gu, pos, q, k), strict=True):
+        assert torch.equal(got, want)
+    for op, args in ((torch.ops.jetrl.rms_norm, (x, w, 1e-6)), (torch.ops.jetrl.add_rms_norm, (x, r, w, 1e-6)),
+                     (torch.ops.jetrl.silu_mul, (gu,)), (torch.ops.jetrl.rope, (pos, q, k, 128, 10000.0))):
+        torch.library.opcheck(op, args)
+
+
+@needs_extension
+def test_exact_rms_norm_module_forward_is_the_kernel_and_backward_is_rms_norms():
+    config = SimpleNamespace(use_cpu_initialization=True, params_dtype=torch.float32, sequence_parallel=False)
+    norm = ExactRMSNorm(config, 256, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x = torch.randn(5, 3, 256, requires_grad=True)
+    y = norm(x)
+    assert torch.equal(y, rms_norm_reference(x.detach(), norm.weight.detach(), 1e-6))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr, wr = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    F.rms_norm(xr, (256,), wr, 1e-6).backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(norm.weight.grad, wr.grad)
+
+
+# ------------------------------------------------------------------ the trainer's paged K/V
+
+
+def test_paged_kv_puts_each_sequence_on_its_own_pages():
+    lengths, page = [5, 16, 1, 40, 17], 16
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = sum(lengths)
+    k = torch.randn(tokens, 2, 8)
+    v = torch.randn(tokens, 2, 8)
+    k_pages, v_pages, table, used = paged_kv(k, v, cu, packed_positions(cu, tokens), max(lengths), page)
+    assert used.tolist() == lengths and table.dtype == torch.int32 and used.dtype == torch.int32
+    assert table.shape == (len(lengths), -(-max(lengths) // page))
+    for i, n in enumerate(lengths):
+        rows_k = k_pages[table[i].long()].reshape(-1, 2, 8)
+        rows_v = v_pages[table[i].long()].reshape(-1, 2, 8)
+        assert torch.equal(rows_k[:n], k[cu[i]:cu[i + 1]]) and torch.equal(rows_v[:n], v[cu[i]:cu[i + 1]])
+        pages = -(-n // page)
+        assert not rows_k[n:pages * page].any()  # the rest of its last page is zero
+        assert len(set(table[i, :pages].tolist())) == pages  # pages of its own
+    used_pages = [p for i, n in enumerate(lengths) for p in table[i, :-(-n // page)].tolist()]
+    assert len(used_pages) == len(set(used_pages))
+
+
+# ------------------------------------------------------------------ exact logprobs
+
+
+def test_exact_logprobs_take_the_kernels_values_and_compileds_gradient():
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(9, 256, generator=g) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, 200, (9,), generator=g)
+    calls = []
+
+    def kernel(x, ids):  # a stand-in for vLLM's logprob kernel: [M, V] logits (any row stride), ids [M, k]
+        calls.append((tuple(x.shape), x.stride(0), tuple(ids.shape)))
+        return torch.log_softmax(x.float(), dim=-1).gather(1, ids) - 1.0  # not the compiled path's values
+
+    a = logits.clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs(a, labels, vocab_start=0, vocab_size=200, with_entropy=True, impl="exact",
+                                      token_logprobs=kernel)
+    want = (torch.log_softmax(logits[:, :200].float(), -1) - 1.0).gather(1, labels[:, None]).squeeze(1)
+    assert torch.equal(lp, want) and calls == [((9, 200), 256, (9, 1))]  # the logits as they are, no copy
+    b = logits.clone().requires_grad_()
+    lp_c, ent_c = vocab_parallel_logprobs(b, labels, vocab_start=0, vocab_size=200, with_entropy=True,
+                                          impl="compiled")
+    assert torch.equal(ent, ent_c)
+    (lp.sum() + ent.sum()).backward()
+    (lp_c.sum() + ent_c.sum()).backward()
+    assert torch.equal(a.grad, b.grad)
+    with pytest.raises(ValueError, match="token_logprobs kernel"):
+        vocab_parallel_logprobs(logits, labels, vocab_start=0, vocab_size=200, impl="exact")
+
+
+def test_mismatch_metrics_count_unequal_tokens():
+    lp = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    m = mismatch_metrics(lp, lp.clone(), torch.ones(4))
+    assert m["rollout_corr/unequal_tokens"] == 0 and m["rollout_corr/max_abs_dlogp"] == 0
+    other = lp.clone()
+    other[1] = torch.nextafter(other[1], torch.tensor(0.0))  # one ulp
+    m = mismatch_metrics(other, lp, torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    assert m["rollout_corr/unequal_tokens"] == 1 and m["rollout_corr/max_abs_dlogp"] > 0
+    assert m["rollout_corr/k3_kl"] >= 0
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_recipe_exact_modes_and_environment():
+    assert PrecisionRecipe(exact=True).vllm_env["VLLM_BATCH_INVARIANT"] == "1"
+    assert PrecisionRecipe(mode=PrecisionMode.BF16, exact=True).vllm_env == {"VLLM_BATCH_INVARIANT": "1",
+                                                                            "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert "VLLM_BATCH_INVARIANT" not in PrecisionRecipe().vllm_env
+    for mode in (PrecisionMode.FP16, PrecisionMode.BF16_TRAIN_FP8_ROLLOUT):
+        with pytest.raises(ConfigError, match="precision.exact"):
+            PrecisionRecipe(mode=mode, exact=True)
+    with pytest.raises(ConfigError, match="precision.exact"):
+        PrecisionRecipe(exact="yes")
+    assert PrecisionRecipe(exact=True).to_dict()["exact"] is True
+
+
+EXACT = ["precision.exact=true", "rollout.engine=vllm"]
+
+
+def test_an_exact_job_loads_and_round_trips():
+    job = load_job("examples/configs/tiny_countdown.yaml", EXACT)
+    assert job.precision.exact and job.actor.precision.exact
+    assert load_job(None, raw=job.to_dict()) == job
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.engine=hf", "rollout.engine"),
+    ("actor.fp8_backend=te", "actor.fp8_backend"),
+    ("actor.parallel.tp=2", "actor.parallel.tp"),
+    ("rollout.vllm.tensor_parallel_size=2", "actor.parallel.tp"),
+    ("actor.parallel.pp=2", "actor.parallel.pp"),
+    ("rollout.vllm.kv_cache_dtype=fp8", "rollout.vllm.kv_cache_dtype"),
+    ("rollout.vllm.fp8_gemm=deep_gemm", "rollout.vllm.fp8_gemm"),
+    ("rollout.vllm.activation_quant=vllm", "rollout.vllm.activation_quant"),
+    ("algo.correction.mode=token_tis", "algo.correction.mode"),
+])
+def test_layouts_that_cannot_be_exact_are_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_job("examples/configs/tiny_countdown.yaml", [*EXACT, override])
+    assert e.value.key == key and "precision.exact" in str(e.value)
+
+
+def test_models_the_exact_forward_cannot_compute_are_refused():
+    base = load_job("examples/configs/tiny_countdown.yaml", EXACT).model.hf_config_dict()
+    check_exact_model(bridge_for(base))
+    llama = {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    with pytest.raises(ConfigError, match="scales its rotary embedding"):
+        check_exact_model(bridge_for(llama))
+    job = load_job("examples/configs/tiny_countdown.yaml", EXACT)
+    with pytest.raises(ConfigError, match="multiple of 128"):
+        resolve(job, 1, hf_config={**base, "hidden_size": 320, "intermediate_size": 640})
+
+
+def test_an_exact_model_with_a_module_left_behind_is_refused():
+    from megatron_jetrl.actor.model import check_exact
+
+    config = SimpleNamespace(use_cpu_initialization=True, params_dtype=torch.float32, sequence_parallel=False)
+    model = torch.nn.Module()
+    model.norm = ExactRMSNorm(config, 128)
+    check_exact(model)
+    model.q_layernorm = torch.nn.RMSNorm(128)
+    with pytest.raises(RuntimeError, match=r"q_layernorm \(RMSNorm\)"):
+        check_exact(model)
+
+
+def _trainer_double(exact: bool, update_logprobs: torch.Tensor):
+    class Actor:
+        calls: list = []
+
+        def update(self, batch, loss_fn, *, with_logprobs=False):
+            self.calls.append(("update", with_logprobs))
+            return ({"loss": 0.5}, update_logprobs.clone()) if with_logprobs else {"loss": 0.5}
+
+        def compute_logprobs(self, batch, **kw):
+            self.calls.append(("compute_logprobs",))
+            raise AssertionError("the exact trainer skips the recompute pass")
+
+    job = load_job("examples/configs/tiny_countdown.yaml", EXACT if exact else [])
+    return SimpleNamespace(job=job, actor=Actor(), loss_fn=None)
+
+
+def test_the_exact_trainer_skips_the_recompute_and_measures_the_update_forward():
+    from megatron_jetrl.actor import PackedBatch
+    from megatron_jetrl.trainer import Trainer
+
+    rollout = torch.tensor([0.0, -1.0, -2.0, 0.0, -0.25, -3.0])
+    batch = PackedBatch.from_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])],
+                                       loss_mask=[torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 1.0])],
+                                       rollout_logprobs=[rollout[:3], rollout[3:]])
+    trainer = _trainer_double(True, rollout)
+    prepared, metrics, kv = Trainer.prepare_update(trainer, batch)
+    assert torch.equal(prepared.fields["old_logprobs"], prepared.fields["rollout_logprobs"]) and kv is None
+    assert metrics == {} and trainer.actor.calls == []
+    m = Trainer.update(trainer, prepared)
+    assert trainer.actor.calls == [("update", True)] and m["actor/loss"] == 0.5
+    assert m["rollout_corr/k3_kl"] == 0 and m["rollout_corr/unequal_tokens"] == 0
+    # one token one ulp off: the metrics say so
+    off = rollout.clone()
+    off[4] = torch.nextafter(off[4], torch.tensor(0.0))
+    m = Trainer.update(_trainer_double(True, off), prepared)
+    assert m["rollout_corr/unequal_tokens"] == 1 and m["rollout_corr/max_abs_dlogp"] > 0
