@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODELS = {"tiny": {"prompts": 64, "n": 4, "new_tokens": 96, "prompt_len": 32, "memory": 0.2, "lr": 1e-3},
+MODELS = {"tiny": {"prompts": 64, "n": 4, "new_tokens": 95, "prompt_len": 32, "memory": 0.2, "lr": 1e-3},
           "8b6": {"prompts": 16, "n": 8, "new_tokens": 512, "prompt_len": 64, "memory": 0.25, "lr": 1e-4}}
 """Per model: sampled prompts x samples x new tokens (8b6: the shape of the step benchmark's
 mismatch figures), prompt length, vLLM's share of the GPU, warm-up learning rate."""
@@ -114,8 +114,9 @@ def trainer_default(actor, op: str):
                 m.forward = lambda x, m=m: F.rms_norm(x, (x.shape[-1],), m.weight, m.eps)
                 undo.append(lambda m=m: vars(m).pop("forward"))
     elif op == "rope":
-        setattr(actor.config, EXACT_ATTR, False)
-        undo.append(lambda: setattr(actor.config, EXACT_ATTR, True))
+        base = getattr(actor.config, EXACT_ATTR)
+        setattr(actor.config, EXACT_ATTR, None)
+        undo.append(lambda: setattr(actor.config, EXACT_ATTR, base))
     elif op in ("attention", "fp8_gemm", "bf16_gemm"):
         for m in gpt.modules():
             pick = (isinstance(m, PackedCoreAttention) if op == "attention" else
@@ -258,7 +259,7 @@ def child(args) -> dict:
     vocab = actor.bridge.dims.vocab_size
     for step in range(3):
         actor.update(warm_up_batch(vocab, 100 + step, actor.bridge.dims.max_position_embeddings), cross_entropy_loss)
-    max_len = shape["prompt_len"] + shape["new_tokens"]
+    max_len = shape["prompt_len"] + shape["new_tokens"] + 1  # + 1: a sample prefilled whole for the op hooks
     t0 = time.perf_counter()
     engine = VllmEngine(config, recipe, VllmOptions(gpu_memory_utilization=shape["memory"], max_model_len=max_len,
                                                     max_num_seqs=256, enforce_eager=True,
@@ -266,7 +267,8 @@ def child(args) -> dict:
     out = {"model": args.model, "engine": args.engine, "mode": args.mode, "device": torch.cuda.get_device_name(),
            "engine_start_s": time.perf_counter() - t0, "eager": True}
     plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, 1, 1)
-    WeightSync(plan, 0, device=actor.device).sync(actor.weight_shards(), engine)
+    sync = WeightSync(plan, 0, device=actor.device)
+    sync.sync(actor.weight_shards(), engine)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (shape["prompt_len"],), generator=g).tolist() for _ in range(shape["prompts"])]
     engine.wake()
@@ -284,6 +286,7 @@ def child(args) -> dict:
     seq = prompts[samples[0].prompt_index] + samples[0].tokens
     layers = actor.bridge.dims.num_layers
     vllm_model = engine._on_worker(lambda worker: worker.get_model())
+    sync.sync(actor.weight_shards(), engine)  # the sleep after sampling dropped the weights
     engine.wake()
     with captured(vllm_model, _vllm_points(layers), len(seq)) as theirs:
         engine.generate([seq], SamplingParams(n=1, temperature=0.0, max_new_tokens=1))
@@ -335,7 +338,7 @@ def run_all(args) -> None:
             print(f"{name}: rc={rc} in {time.perf_counter() - t0:.0f} s", flush=True)
             if rc != 0:
                 print("\n".join((work / f"{name}.log").read_text(errors="replace").splitlines()[-25:]), flush=True)
-    print(table(work, args.headline, " ".join(sys.argv)))
+    print(table(work, args.headline, "python benchmarks/exact_ablation.py " + " ".join(sys.argv[1:])))
 
 
 def table(work: Path, headline: str | None = None, command: str = "") -> str:
@@ -379,7 +382,9 @@ def table(work: Path, headline: str | None = None, command: str = "") -> str:
         if exact:
             values["vllm_exact_max_abs_dlogp"] = max(r["mismatch"]["rollout_corr/max_abs_dlogp"] for r in exact)
         device = next(iter(runs.values()))["device"]
-        update(headline, values, device=device, command=command or "python benchmarks/exact_ablation.py all")
+        models = ",".join(sorted({r["model"] for r in runs.values()}))
+        update(headline, values, device=device,
+               command=command or f"python benchmarks/exact_ablation.py all --models {models} (then table --headline)")
     return text
 
 
@@ -402,7 +407,7 @@ def main(argv=None) -> int:
     elif args.what == "all":
         run_all(args)
     else:
-        print(table(Path(args.work), args.headline, " ".join(sys.argv)))
+        print(table(Path(args.work), args.headline))
     return 0
 
 

@@ -106,10 +106,11 @@ def apply_rotary_pos_emb_packed(t, freqs, config, cu_seqlens=None, mscale: float
     the batch by host-read lengths. Rows as megatron picks them: the token's position in its
     sequence, or its index in the batch when ``freqs`` covers the whole batch. Fused RoPE, context
     parallelism and the non-packed case are megatron's own."""
-    if getattr(config, EXACT_ATTR, False):
+    base = getattr(config, EXACT_ATTR, None)
+    if base is not None:
         if cu_seqlens is None or mscale != 1.0:
             raise RuntimeError("the exact forward's RoPE takes packed sequences without mscale")
-        return exact_rope(t, _positions(cu_seqlens, t.shape[0], t.device), float(config.rotary_base))
+        return exact_rope(t, _positions(cu_seqlens, t.shape[0], t.device), base)
     if cu_seqlens is None or config.apply_rope_fusion or cp_group is None or cp_group.size() != 1:
         return megatron_apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
                                              cp_group=cp_group)
@@ -122,8 +123,9 @@ def apply_rotary_pos_emb_packed(t, freqs, config, cu_seqlens=None, mscale: float
                                       multi_latent_attention=config.multi_latent_attention, mscale=mscale).squeeze(1)
 
 
-EXACT_ATTR = "jetrl_exact"
-"""Set (True) on the TransformerConfig of an exact-mode actor: RoPE goes through ``ops.exact.rope``."""
+EXACT_ATTR = "jetrl_exact_rope_base"
+"""Set on the TransformerConfig of an exact-mode actor to the model's rotary base (a float; None
+otherwise): RoPE goes through ``ops.exact.rope`` with it."""
 
 
 def _positions(cu_seqlens: torch.Tensor, tokens: int, device: torch.device) -> torch.Tensor:

@@ -105,7 +105,7 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
     if recipe.train_fp8 and settings.fp8_backend == "te":
         kwargs.update(check_te_backend(settings, bridge.dims.num_layers))
     config = TransformerConfig(**kwargs)
-    setattr(config, EXACT_ATTR, recipe.exact)  # RoPE reads it (layers.apply_rotary_pos_emb_packed)
+    setattr(config, EXACT_ATTR, float(bridge.dims.rope_theta) if recipe.exact else None)  # RoPE reads it
     return config
 
 

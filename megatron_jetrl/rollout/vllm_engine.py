@@ -297,6 +297,7 @@ class VllmEngine:
         vllm = require_vllm()
         self._vllm = vllm
         self._llm = None
+        self._awake = {"weights": True, "kv_cache": True}
         self._model_dir = tempfile.mkdtemp(prefix="jetrl-vllm-model-")
         """vLLM reads the architecture from a directory: the config alone, written here."""
         try:

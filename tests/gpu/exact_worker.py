@@ -101,6 +101,7 @@ class Scenarios(VllmScenarios):
         mask = batch.fields["loss_mask"]
         recomputed = equality(actor.compute_logprobs(batch).logprobs, rollout_lp, mask)
         _, update_lp = actor.update(batch, policy_loss, with_logprobs=True)
+        torch.cuda.empty_cache()  # the engine takes its memory back at the next wake (colocation does the same)
         return {"sequences": len(samples), "generate_s": generate_s, "recompute": recomputed,
                 "update_forward": equality(update_lp, rollout_lp, mask)}
 

@@ -30,7 +30,7 @@ from megatron_jetrl.ops.rms_norm import rms_norm_reference  # noqa: E402
 from megatron_jetrl.precision import PrecisionMode, PrecisionRecipe  # noqa: E402
 
 CONFIG = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False,
-                         mrope_section=None, rotary_base=1000000)
+                         mrope_section=None)
 ONE_RANK = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
 
 
@@ -62,7 +62,7 @@ def test_rope_is_megatrons_formula_and_frequencies(dtype):
     got = rope(t, packed_positions(cu, tokens), base)
     assert torch.equal(got, want)
     # and megatron's attention reaches it in an exact-mode model
-    exact_config = SimpleNamespace(**vars(CONFIG), **{EXACT_ATTR: True})
+    exact_config = SimpleNamespace(**vars(CONFIG), **{EXACT_ATTR: base})
     assert torch.equal(apply_rotary_pos_emb_packed(t, freqs, exact_config, cu_seqlens=cu, cp_group=ONE_RANK), want)
 
 
