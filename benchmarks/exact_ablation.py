@@ -146,44 +146,41 @@ def trainer_default(actor, op: str):
             f()
 
 
-def _vllm_points(layers: int) -> list[tuple[str, str, str]]:
-    """(op, vLLM module, what): ``out``, ``out0``/``out1`` (tuple items), ``in0``/``in2`` (inputs)."""
-    pts = [("embedding", "model.embed_tokens", "out")]
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        pts += [(f"L{i}.residual_in", f"{p}.input_layernorm", "in0" if i == 0 else "out1"),
-                (f"L{i}.input_norm", f"{p}.input_layernorm", "out" if i == 0 else "out0"),
-                (f"L{i}.q", f"{p}.self_attn.q_norm", "in0"), (f"L{i}.k", f"{p}.self_attn.k_norm", "in0"),
-                (f"L{i}.q_norm", f"{p}.self_attn.q_norm", "out"), (f"L{i}.k_norm", f"{p}.self_attn.k_norm", "out"),
-                (f"L{i}.q_rope", f"{p}.self_attn.attn", "in0"), (f"L{i}.k_rope", f"{p}.self_attn.attn", "in1"),
-                (f"L{i}.v", f"{p}.self_attn.attn", "in2"), (f"L{i}.attention", f"{p}.self_attn.attn", "out"),
-                (f"L{i}.o_proj", f"{p}.self_attn.o_proj", "out0"),
-                (f"L{i}.residual_mid", f"{p}.post_attention_layernorm", "out1"),
-                (f"L{i}.post_attn_norm", f"{p}.post_attention_layernorm", "out0"),
-                (f"L{i}.gate_up", f"{p}.mlp.gate_up_proj", "out0"), (f"L{i}.silu_mul", f"{p}.mlp.act_fn", "out"),
-                (f"L{i}.down", f"{p}.mlp.down_proj", "out0")]
-    return pts + [("final_norm", "model.norm", "out0")]
+LAYER_POINTS = (  # op: (vLLM module, what), (megatron module, what) inside layer i
+    ("residual_in", ("input_layernorm", "out1"), ("", "in0")),
+    ("input_norm", ("input_layernorm", "out0"), ("input_layernorm", "out")),
+    ("q", ("self_attn.q_norm", "in0"), ("self_attention.q_layernorm", "in0")),
+    ("k", ("self_attn.k_norm", "in0"), ("self_attention.k_layernorm", "in0")),
+    ("q_norm", ("self_attn.q_norm", "out"), ("self_attention.q_layernorm", "out")),
+    ("k_norm", ("self_attn.k_norm", "out"), ("self_attention.k_layernorm", "out")),
+    ("q_rope", ("self_attn.attn", "in0"), ("self_attention.core_attention", "in0")),
+    ("k_rope", ("self_attn.attn", "in1"), ("self_attention.core_attention", "in1")),
+    ("v", ("self_attn.attn", "in2"), ("self_attention.core_attention", "in2")),
+    ("attention", ("self_attn.attn", "out"), ("self_attention.core_attention", "out")),
+    ("o_proj", ("self_attn.o_proj", "out0"), ("self_attention.linear_proj", "out0")),
+    ("residual_mid", ("post_attention_layernorm", "out1"), ("pre_mlp_layernorm", "in0")),
+    ("post_attn_norm", ("post_attention_layernorm", "out0"), ("pre_mlp_layernorm", "out")),
+    ("gate_up", ("mlp.gate_up_proj", "out0"), ("mlp.linear_fc1", "out0")),
+    ("silu_mul", ("mlp.act_fn", "out"), ("mlp.linear_fc2", "in0")),
+    ("down", ("mlp.down_proj", "out0"), ("mlp.linear_fc2", "out0")),
+)
+"""Where each op's tensor is read on both sides (``captured``'s ``what``). vLLM's first input norm
+takes no residual: there the residual is its input and its output is a tensor, not a pair."""
 
 
-def _megatron_points(layers: int) -> list[tuple[str, str, str]]:
-    pts = [("embedding", "embedding", "out")]
+def _points(layers: int, side: int) -> list[tuple[str, str, str]]:
+    """(op, module, what) on side 0 (vLLM's Qwen3) or 1 (megatron's GPTModel)."""
+    prefix, first, last = (("model.layers", ("embedding", "model.embed_tokens", "out"), ("model.norm", "out0"))
+                           if side == 0 else
+                           ("decoder.layers", ("embedding", "embedding", "out"), ("decoder.final_layernorm", "out")))
+    pts = [first]
     for i in range(layers):
-        p = f"decoder.layers.{i}"
-        pts += [(f"L{i}.residual_in", p, "in0"), (f"L{i}.input_norm", f"{p}.input_layernorm", "out"),
-                (f"L{i}.q", f"{p}.self_attention.q_layernorm", "in0"),
-                (f"L{i}.k", f"{p}.self_attention.k_layernorm", "in0"),
-                (f"L{i}.q_norm", f"{p}.self_attention.q_layernorm", "out"),
-                (f"L{i}.k_norm", f"{p}.self_attention.k_layernorm", "out"),
-                (f"L{i}.q_rope", f"{p}.self_attention.core_attention", "in0"),
-                (f"L{i}.k_rope", f"{p}.self_attention.core_attention", "in1"),
-                (f"L{i}.v", f"{p}.self_attention.core_attention", "in2"),
-                (f"L{i}.attention", f"{p}.self_attention.core_attention", "out"),
-                (f"L{i}.o_proj", f"{p}.self_attention.linear_proj", "out0"),
-                (f"L{i}.residual_mid", f"{p}.pre_mlp_layernorm", "in0"),
-                (f"L{i}.post_attn_norm", f"{p}.pre_mlp_layernorm", "out"),
-                (f"L{i}.gate_up", f"{p}.mlp.linear_fc1", "out0"), (f"L{i}.silu_mul", f"{p}.mlp.linear_fc2", "in0"),
-                (f"L{i}.down", f"{p}.mlp.linear_fc2", "out0")]
-    return pts + [("final_norm", "decoder.final_layernorm", "out")]
+        for op, *where in LAYER_POINTS:
+            module, what = where[side]
+            if side == 0 and i == 0 and op in ("residual_in", "input_norm"):
+                what = {"out1": "in0", "out0": "out"}[what]
+            pts.append((f"L{i}.{op}", f"{prefix}.{i}" + (f".{module}" if module else ""), what))
+    return pts + [("final_norm", *last)]
 
 
 @contextlib.contextmanager
@@ -288,12 +285,12 @@ def child(args) -> dict:
     vllm_model = engine._on_worker(lambda worker: worker.get_model())
     sync.sync(actor.weight_shards(), engine)  # the sleep after sampling dropped the weights
     engine.wake()
-    with captured(vllm_model, _vllm_points(layers), len(seq)) as theirs:
+    with captured(vllm_model, _points(layers, 0), len(seq)) as theirs:
         engine.generate([seq], SamplingParams(n=1, temperature=0.0, max_new_tokens=1))
     engine.sleep()
-    with captured(actor.gpt, _megatron_points(layers), len(seq)) as ours:
+    with captured(actor.gpt, _points(layers, 1), len(seq)) as ours:
         actor.compute_logprobs(PackedBatch.from_sequences([torch.tensor(seq)]))
-    order = [op for op, _, _ in _vllm_points(layers)]
+    order = [op for op, _, _ in _points(layers, 0)]
     diffs = op_diffs(theirs, ours, order)
     out["ops"] = diffs
     out["first_differing_op"] = next((op for op in order if not diffs[op].get("missing")

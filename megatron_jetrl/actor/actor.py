@@ -46,10 +46,10 @@ from megatron_jetrl.actor.packing import (
     plan_batch,
 )
 from megatron_jetrl.actor.settings import ActorSettings
-from megatron_jetrl.ops.exact import vllm_kernels
 from megatron_jetrl.algo import LossFn, LossInputs
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
+from megatron_jetrl.ops.exact import vllm_kernels
 from megatron_jetrl.precision import Fp8Weight, Shard
 from megatron_jetrl.precision.kv_cache import KvAmaxObserver, kv_scales_from_amax
 

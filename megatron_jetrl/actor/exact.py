@@ -91,17 +91,29 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias, kernels: VllmKerne
     return _ExactLinearFn.apply(x, weight, bias, kernels.bf16_gemm)
 
 
+def parallel_linear_input(input, *, what: str, gradient_accumulation_fusion: bool, allreduce_dgrad: bool,
+                          sequence_parallel: bool, tp_group):
+    """The input of a column-parallel GEMM that replaces megatron's: all-gathered over TP under
+    sequence parallelism (its gradient reduce-scattered), else marked for the all-reduce of its
+    gradient; megatron's own autograd mappings. ``what`` names the linears in the error."""
+    if gradient_accumulation_fusion:
+        raise ValueError(f"{what} do not support gradient_accumulation_fusion; set it to False")
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    if allreduce_dgrad:
+        return copy_to_tensor_model_parallel_region(input, group=tp_group)
+    return input
+
+
 def exact_forward_impl(kernels: VllmKernels, input, weight, bias=None, gradient_accumulation_fusion=False,
                        allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **_unused):
     """A megatron parallel linear's ``_forward_impl`` (GEMM plus its TP communication) with the
     exact BF16 GEMM: for the LM head, which megatron builds itself (the actor sets this on the
     instance), and the linears of BF16 layers."""
-    if gradient_accumulation_fusion:
-        raise ValueError("exact linears do not support gradient_accumulation_fusion; set it to False")
-    if sequence_parallel:
-        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-    elif allreduce_dgrad:
-        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    input = parallel_linear_input(input, what="exact linears",
+                                  gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                  allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                                  tp_group=tp_group)
     return exact_linear(input, weight, bias, kernels)
 
 

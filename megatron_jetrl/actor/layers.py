@@ -37,16 +37,12 @@ import megatron.core.transformer.attention as megatron_attention
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as megatron_apply_rotary_pos_emb
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.attention import varlen
 
-from megatron_jetrl.actor.exact import ExactRMSNorm, exact_attention, exact_forward_impl
+from megatron_jetrl.actor.exact import ExactRMSNorm, exact_attention, exact_forward_impl, parallel_linear_input
 from megatron_jetrl.ops.exact import VllmKernels
 from megatron_jetrl.ops.exact import rope as exact_rope
 from megatron_jetrl.precision import Fp8Quantizer, Fp8Weight, Fp8WeightCache, fp8_block_linear
@@ -243,12 +239,10 @@ class _Fp8LinearMixin:
                                          tp_group=tp_group, **_unused)
         if self.fp8_quantizer is None:
             raise RuntimeError(f"{type(self).__name__} was not configured; the actor calls configure_fp8()")
-        if gradient_accumulation_fusion:
-            raise ValueError("FP8 linears do not support gradient_accumulation_fusion; set it to False")
-        if sequence_parallel:
-            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-        elif allreduce_dgrad:
-            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        input = parallel_linear_input(input, what="FP8 linears",
+                                      gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                      allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                                      tp_group=tp_group)
         fprop = self.exact_kernels.fp8_gemm if self.exact_kernels is not None else None
         return fp8_block_linear(input, weight, bias, quantizer=self.fp8_quantizer, cache=self.fp8_cache,
                                 gemm=self.fp8_gemm, fprop=fprop)

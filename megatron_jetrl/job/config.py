@@ -250,9 +250,11 @@ def _check_exact(job: JobConfig) -> None:
          "the exact forward is vLLM's batch-invariant mode plus the trainer's kernels: set rollout.engine=vllm"),
         ("actor.fp8_backend", job.actor.fp8_backend, job.actor.fp8_backend == "native" or not job.precision.train_fp8,
          "Transformer Engine's layers compute with TE's kernels, not the engine's: set actor.fp8_backend=native"),
-        ("actor.parallel.tp", par.tp, par.tp == 1 and vllm.tensor_parallel_size == 1,
-         f"the exact rollout runs at trainer TP 1 = rollout TP 1 (here {par.tp} and {vllm.tensor_parallel_size}); "
-         "set actor.parallel.tp=1 and rollout.vllm.tensor_parallel_size=1"),
+        ("actor.parallel.tp", par.tp, par.tp == 1,
+         "the exact rollout runs at trainer TP 1 = rollout TP 1 (equal TP 2 is not exact yet): set "
+         "actor.parallel.tp=1"),
+        ("rollout.vllm.tensor_parallel_size", vllm.tensor_parallel_size, vllm.tensor_parallel_size == 1,
+         "the exact rollout runs at trainer TP 1 = rollout TP 1: set rollout.vllm.tensor_parallel_size=1"),
         ("actor.parallel.pp", par.pp, par.pp == 1, "the exact rollout is verified at PP 1: set actor.parallel.pp=1"),
         ("rollout.vllm.kv_cache_dtype", vllm.kv_cache_dtype, vllm.kv_cache_dtype == "auto",
          "an FP8 KV cache has no exact trainer-side attention yet: set rollout.vllm.kv_cache_dtype=auto"),
@@ -269,7 +271,7 @@ def _check_exact(job: JobConfig) -> None:
             raise ConfigError(key, value, f"precision.exact: {fix}")
 
 
-def check_exact_model(bridge) -> None:
+def check_exact_model(bridge: ModelBridge) -> None:
     """The model side of ``precision.exact``: rotary embeddings the exact ``rope`` computes (plain,
     the whole head, no scaling) and hidden sizes the exact norm takes (multiples of 128)."""
     d = bridge.dims

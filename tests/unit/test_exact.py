@@ -220,7 +220,7 @@ def test_an_exact_job_loads_and_round_trips():
     ("rollout.engine=hf", "rollout.engine"),
     ("actor.fp8_backend=te", "actor.fp8_backend"),
     ("actor.parallel.tp=2", "actor.parallel.tp"),
-    ("rollout.vllm.tensor_parallel_size=2", "actor.parallel.tp"),
+    ("rollout.vllm.tensor_parallel_size=2", "rollout.vllm.tensor_parallel_size"),
     ("actor.parallel.pp=2", "actor.parallel.pp"),
     ("rollout.vllm.kv_cache_dtype=fp8", "rollout.vllm.kv_cache_dtype"),
     ("rollout.vllm.fp8_gemm=deep_gemm", "rollout.vllm.fp8_gemm"),
