@@ -1,10 +1,10 @@
 """Actor training-step time, FP8 vs BF16, for a model with Qwen3 shapes.
 
-    torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py --layers 12
-    NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py \
+    torchrun --nproc-per-node 1 -m benchmarks.bench_actor_step --layers 12
+    NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 torchrun --nproc-per-node 1 -m benchmarks.bench_actor_step \
         --layers 12 --modes bf16,fp8,fp8-te                       # + Transformer Engine's FP8 (te backend)
-    torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py --model qwen3-4b --profile   # all 36 layers
-    torchrun --nproc-per-node 2 benchmarks/bench_actor_step.py --layers 12 --tp 2
+    torchrun --nproc-per-node 1 -m benchmarks.bench_actor_step --model qwen3-4b --profile   # all 36 layers
+    torchrun --nproc-per-node 2 -m benchmarks.bench_actor_step --layers 12 --tp 2
 
 ``--model`` qwen3-8b (default; ``--layers`` of its 36) or qwen3-4b (36 layers, hidden 2560, tied
 embeddings, real vocab). The table states the LM head's share of the linear FLOPs (BF16 in every
@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
 from megatron_jetrl.algo import ppo_clip_loss  # noqa: E402
@@ -226,7 +225,7 @@ def main() -> int:
                 from benchmarks.headline import update
 
                 update(args.headline, headline,
-                       device=name, command="torchrun --nproc-per-node 1 benchmarks/bench_actor_step.py "
+                       device=name, command="torchrun --nproc-per-node 1 -m benchmarks.bench_actor_step "
                        f"--model {args.model} --layers {args.layers} --logprob-impl {args.logprob_impl}")
         if args.json:
             plain = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

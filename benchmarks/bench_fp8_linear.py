@@ -9,7 +9,7 @@ Prints one table per section, all measured in this one run on one device:
      micro-batches), and the speedup of each.
   3. Quantization kernels: GB/s (bytes read + written) against a device-to-device copy's GB/s.
 
-Usage (GPU host):  python benchmarks/bench_fp8_linear.py [--tokens 16384] [--json out.json] [--headline PATH]
+Usage (GPU host):  python -m benchmarks.bench_fp8_linear [--tokens 16384] [--json out.json] [--headline PATH]
 ``--headline`` writes linear_fp8_over_bf16 (a whole layer's linears, fwd+bwd incl. quantization, weight
 cached as in a step's micro-batches) into docs/results/headline.json's format (benchmarks/headline.py).
 """
@@ -20,11 +20,9 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_jetrl.ops import NativeQuantizer, quantize_1x128, quantize_128x128  # noqa: E402
 from megatron_jetrl.precision import Fp8WeightCache, fp8_block_linear, fp8_gemm  # noqa: E402
@@ -254,7 +252,7 @@ def main(argv=None) -> int:
         from benchmarks.headline import update
 
         update(args.headline, {"linear_fp8_over_bf16": total["speedup_weight_cached"]}, device=device,
-               command=f"python benchmarks/bench_fp8_linear.py --tokens {args.tokens}")
+               command=f"python -m benchmarks.bench_fp8_linear --tokens {args.tokens}")
 
     copy, quants = quant_section(args.tokens)
     print(f"\n== Quantization kernels (device copy: {copy:.0f} GB/s read+write) ==")

@@ -6,7 +6,7 @@ first ``--layers`` of Qwen3-8B's 36 layers. For every batch size it generates ``
 from random ``--prompt-len``-token prompts, no stop tokens, and times decoding alone: a whole call
 minus a call that only prefills (max_new_tokens=1), median of ``--repeats``.
 
-Usage (GPU host):  python benchmarks/bench_rollout_decode.py [--layers 8] [--batch-sizes 16,64]
+Usage (GPU host):  python -m benchmarks.bench_rollout_decode [--layers 8] [--batch-sizes 16,64]
                    [--prompt-len 256] [--max-new-tokens 256] [--eager] [--json out.json]
 """
 
@@ -18,11 +18,9 @@ import statistics
 import sys
 import time
 
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.model_shapes import qwen3_8b_shaped  # noqa: E402
 from megatron_jetrl.ops import NativeQuantizer  # noqa: E402

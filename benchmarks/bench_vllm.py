@@ -2,10 +2,10 @@
 vLLM, and a whole RL step with vLLM rollout. One table, printed last; the headline ratios go to
 docs/results/headline.json.
 
-    python benchmarks/bench_vllm.py decode --modes bf16,fp8,fp8kv[,fp8-vq,fp8kv-vq] [--cases 64x512,...]
-    python benchmarks/bench_vllm.py sync [--train-tp 2 --rollout-tp 2]  # 8B FP8 shards -> vLLM, each path
-    python benchmarks/bench_vllm.py step                 # jetrl train, Qwen3-8B layer shapes, FP8 and BF16
-    python benchmarks/bench_vllm.py table [--headline docs/results/headline.json]
+    python -m benchmarks.bench_vllm decode --modes bf16,fp8,fp8kv[,fp8-vq,fp8kv-vq] [--cases 64x512,...]
+    python -m benchmarks.bench_vllm sync [--train-tp 2 --rollout-tp 2]  # 8B FP8 shards -> vLLM, each path
+    python -m benchmarks.bench_vllm step                 # jetrl train, Qwen3-8B layer shapes, FP8 and BF16
+    python -m benchmarks.bench_vllm table [--headline docs/results/headline.json]
 
 Results accumulate as JSON in ``--work`` (default /tmp/bench_vllm: the GPU host keeps /tmp while a
 machine stays warm, so the parts may run in separate calls) and are copied to ``--out`` if given.
@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_quant, precision.exact)
     "bf16": ("bf16", "auto", "trainer", False),
@@ -267,7 +266,7 @@ def run_child(kind: str, args, extra: list[str], *, name: str | None = None, gpu
     name = name or extra[0]
     out = Path(args.work) / f"{kind}_{name}.json"
     env = {**os.environ, **_launch_env(args, extra[0] if kind == "decode" else "fp8"), "PYTHONUNBUFFERED": "1"}
-    script = [__file__, "_child", kind, *extra, "--result", str(out), *_common(args)]
+    script = ["-m", "benchmarks.bench_vllm", "_child", kind, *extra, "--result", str(out), *_common(args)]
     if gpus == 1:
         cmd = [sys.executable, *script]
     else:  # torchrun sets the ranks and the rendezvous
@@ -277,7 +276,8 @@ def run_child(kind: str, args, extra: list[str], *, name: str | None = None, gpu
     log = Path(args.work) / f"{kind}_{name}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout,
+                            cwd=ROOT).returncode
     print(f"{kind} {name}: rc={rc} in {time.perf_counter() - t0:.0f} s (log {log})", flush=True)
     if rc != 0 or not out.is_file():
         print("\n".join(log.read_text(errors="replace").splitlines()[-40:]), flush=True)
@@ -445,8 +445,8 @@ def table(args) -> str:
     if args.headline and headline:
         from benchmarks.headline import update
 
-        command = ("bash benchmarks/vllm_lanes.sh start (several GPUs) or benchmarks/vllm_gpu.sh (1 GPU): "
-                   "python benchmarks/bench_vllm.py decode, sync, step, then table --headline")
+        command = ("bash benchmarks/gpu_host/lanes.sh start (several GPUs) or benchmarks/gpu_host/vllm.sh (1 GPU): "
+                   "python -m benchmarks.bench_vllm decode, sync, step, then table --headline")
         update(args.headline, headline, device=device, command=command)
         lines.append(f"\nheadline -> {args.headline}: " + ", ".join(f"{k} {v:.3f}" for k, v in headline.items()))
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Weight-sync time for a model with Qwen3-8B shapes (36 layers by default), FP8 and BF16.
 
-    torchrun --nproc-per-node 1 benchmarks/bench_weight_sync.py
-    torchrun --nproc-per-node 2 benchmarks/bench_weight_sync.py --tp 2 --rollout-tp 1 2
+    torchrun --nproc-per-node 1 -m benchmarks.bench_weight_sync
+    torchrun --nproc-per-node 2 -m benchmarks.bench_weight_sync --tp 2 --rollout-tp 1 2
 
 Each rank holds only its own train shards (random BF16, plus the FP8 weights the trainer's FProp
 computes, timed here as ``quantize``: in training they already exist after the optimizer step)
@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
 from megatron_jetrl.ops import NativeQuantizer  # noqa: E402

@@ -3,7 +3,7 @@
 Builds a random model with Llama-3.2-1B's shapes (no download), saves it sharded, then runs each
 conversion in a child process and reports its peak RSS (ru_maxrss of the child):
 
-    python benchmarks/convert_memory.py [--work-dir /tmp/convert_memory] [--layers 16]
+    python -m benchmarks.convert_memory [--work-dir /tmp/convert_memory] [--layers 16]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Where the engine-vs-trainer logprob gap comes from, measured: vLLM 0.26 and the trainer fed the same
 tokens, compared op by op, and the exact rollout (``precision.exact``) taken apart one op at a time.
 
-    python benchmarks/exact_ablation.py all [--models tiny,8b6] [--runs exact:fp8,...] [--work DIR]
+    python -m benchmarks.exact_ablation all [--models tiny,8b6] [--runs exact:fp8,...] [--work DIR]
                                             [--headline docs/results/headline.json]
-    python benchmarks/exact_ablation.py table [--work DIR]
+    python -m benchmarks.exact_ablation table [--work DIR]
 
 One process per (model, engine setting, precision mode) (vLLM's state lives for a process):
 
@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODELS = {"tiny": {"prompts": 64, "n": 4, "new_tokens": 95, "prompt_len": 32, "memory": 0.2, "lr": 1e-3},
           "8b6": {"prompts": 16, "n": 8, "new_tokens": 512, "prompt_len": 64, "memory": 0.25, "lr": 1e-4}}
@@ -327,15 +326,16 @@ def run_all(args) -> None:
                    **engine_env(recipe, VllmOptions())}
             if engine == "batch_invariant":
                 env["VLLM_BATCH_INVARIANT"] = "1"
-            cmd = [sys.executable, __file__, "_child", "--model", model, "--engine", engine, "--mode", mode,
-                   "--result", str(result)]
+            cmd = [sys.executable, "-m", "benchmarks.exact_ablation", "_child", "--model", model, "--engine", engine,
+                   "--mode", mode, "--result", str(result)]
             t0 = time.perf_counter()
             with open(work / f"{name}.log", "w") as log:
-                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                    cwd=ROOT).returncode
             print(f"{name}: rc={rc} in {time.perf_counter() - t0:.0f} s", flush=True)
             if rc != 0:
                 print("\n".join((work / f"{name}.log").read_text(errors="replace").splitlines()[-25:]), flush=True)
-    print(table(work, args.headline, "python benchmarks/exact_ablation.py " + " ".join(sys.argv[1:])))
+    print(table(work, args.headline, "python -m benchmarks.exact_ablation " + " ".join(sys.argv[1:])))
 
 
 def table(work: Path, headline: str | None = None, command: str = "") -> str:
@@ -381,7 +381,7 @@ def table(work: Path, headline: str | None = None, command: str = "") -> str:
         device = next(iter(runs.values()))["device"]
         models = ",".join(sorted({r["model"] for r in runs.values()}))
         update(headline, values, device=device,
-               command=command or f"python benchmarks/exact_ablation.py all --models {models} (then table --headline)")
+               command=command or f"python -m benchmarks.exact_ablation all --models {models} (then table --headline)")
     return text
 
 

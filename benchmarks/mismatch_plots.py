@@ -1,7 +1,7 @@
 """Plots of the mismatch study (benchmarks/mismatch_study.py): reward and mismatch vs step for the
 four precision modes, without and with token TIS. PNG files, matplotlib.
 
-    python benchmarks/mismatch_plots.py STUDY_DIR [STUDY_DIR ...] --out docs/figures
+    python -m benchmarks.mismatch_plots STUDY_DIR [STUDY_DIR ...] --out docs/figures
 
 Several directories are several seeds of the same study: each seed is a thin line, their mean a
 thick one. Writes ``mismatch_reward.png`` (train reward, smoothed over 5 steps, and greedy eval
@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from rl_summary import eval_points, read_rows, train_rows  # benchmarks/, the script's own directory
+from benchmarks.rl_summary import eval_points, read_rows, train_rows
 
 COLORS = {"bf16": "tab:blue", "fp16": "tab:green", "fp8": "tab:red", "bf16-train_fp8-rollout": "tab:orange"}
 LABELS = {"bf16": "BF16", "fp16": "FP16", "fp8": "FP8 unified", "bf16-train_fp8-rollout": "BF16 train + FP8 rollout"}

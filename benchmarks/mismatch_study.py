@@ -1,8 +1,8 @@
-"""The mismatch and speed study (issue 8), one command on the GPU host:
+"""The mismatch and speed study, one command on a GPU host:
 
-    python benchmarks/mismatch_study.py --out DIR [--seed N] [--steps N] [--parallel 8] [--no-speed]
+    python -m benchmarks.mismatch_study --out DIR [--seed N] [--steps N] [--parallel 8] [--no-speed]
                                         [--budget SECONDS]
-    python benchmarks/mismatch_study.py --summary-only --out DIR [--out DIR2 ...]   # tables (mean of seeds)
+    python -m benchmarks.mismatch_study --summary-only --out DIR [--out DIR2 ...]   # tables (mean of seeds)
 
 1. Warm-up: the study config's supervised warm-up (``sft``), once, in BF16; its checkpoint is the
    starting policy of every run, so all modes start from the same weights.
@@ -11,7 +11,7 @@
    order and steps; ``--parallel`` of them at a time share the GPU (each is its own one-process job).
 3. Speed: ``jetrl train benchmarks/configs/qwen3_8b_dims.yaml`` in FP8 and in BF16.
 4. Summary: the tables, printed last, and ``DIR/study.json``. Every run keeps its log and
-   ``metrics.jsonl`` in ``DIR/<run>/``. Plots: ``benchmarks/mismatch_plots.py DIR`` (matplotlib).
+   ``metrics.jsonl`` in ``DIR/<run>/``. Plots: ``python -m benchmarks.mismatch_plots DIR`` (matplotlib).
 
 Per step every run records reward, response length, entropy and the mismatch metrics
 (``rollout_corr/k3_kl``, ``training/rollout_probs_diff_mean``, ``token_mult_prob_error``);
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from rl_summary import TABLE_PHASES as PHASES  # benchmarks/, the script's own directory
-from rl_summary import summarise
+from benchmarks.rl_summary import TABLE_PHASES as PHASES
+from benchmarks.rl_summary import summarise
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY_CONFIG = ROOT / "benchmarks" / "configs" / "mismatch_study.yaml"

@@ -2,7 +2,7 @@
 groups made eagerly (``init_process_group(device_id=...)``) or lazily (the default; what
 ``jetrl train`` does), one process, one GPU:
 
-    python benchmarks/nccl_memory.py            # prints a table (GiB used on the device)
+    python -m benchmarks.nccl_memory            # prints a table (GiB used on the device)
 
 Each mode runs in a fresh process; the table reads ``torch.cuda.mem_get_info`` after the CUDA
 context, ``init_process_group``, ``initialize_model_parallel`` and one all-reduce on each of the
@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 STAGES = ("CUDA context", "init_process_group", "initialize_model_parallel", "all-reduce on 6 groups")
 
@@ -54,7 +55,8 @@ def main() -> int:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29555")}
     rows = {}
     for mode in ("eager", "lazy"):
-        res = subprocess.run([sys.executable, __file__, "--probe", mode], env=env, capture_output=True, text=True)
+        res = subprocess.run([sys.executable, "-m", "benchmarks.nccl_memory", "--probe", mode], env=env,
+                             capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         if res.returncode != 0:
             print(res.stderr[-2000:], file=sys.stderr)
             return 1

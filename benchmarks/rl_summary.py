@@ -1,6 +1,6 @@
 """Summarise RL runs from their metrics.jsonl: reward curve, mismatch, and step time by phase.
 
-    python benchmarks/rl_summary.py RUN.metrics.jsonl [...] [--json OUT]
+    python -m benchmarks.rl_summary RUN.metrics.jsonl [...] [--json OUT]
 
 Per run: train reward (means of the first and last 10 steps), the held-out eval curve, mean
 rollout-vs-trainer k3 KL and token_mult_prob_error, and the mean seconds per phase of a step with

@@ -1,7 +1,7 @@
 """Summarise scale runs (jetrl train run directories): step time by phase, sync, tokens/s/GPU and
 memory per GPU measured, next to the memory plan ``jetrl check`` gives for the same config.
 
-    python benchmarks/scale_summary.py RUN_DIR [...] --world-size 4 [--json OUT]
+    python -m benchmarks.scale_summary RUN_DIR [...] --world-size 4 [--json OUT]
 
 Times are means over steps 2.. (step 1 includes CUDA-graph capture and allocator warm-up). Memory
 is the largest over ranks and steps: PyTorch's peak allocation in the generate phase and in the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_jetrl.job import load_job, resolve
 
-import rl_summary  # noqa: E402  (benchmarks/, the script's own directory)
+from benchmarks import rl_summary
 
 PHASES = rl_summary.TABLE_PHASES
 MEASURED = ("generate_peak_allocated", "update_peak_allocated", "peak_reserved", "device_used")

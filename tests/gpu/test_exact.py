@@ -7,7 +7,7 @@ at the tiny model's widths and at Qwen3-8B's (6 layers); and neither side starts
 left on a non-exact kernel.
 
 Skipped (with the reason) where vLLM is not installed; with ``JETRL_REQUIRE_VLLM=1`` (set by
-benchmarks/vllm_gpu.sh) a missing vLLM fails instead.
+benchmarks/gpu_host/vllm.sh) a missing vLLM fails instead.
 """
 
 import json

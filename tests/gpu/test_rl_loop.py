@@ -4,7 +4,7 @@ killed by SIGTERM (SLURM preemption) continues from its checkpoint exactly where
 run goes, with either engine.
 
 Each run is a real ``jetrl train`` process. Metrics files are copied to $JETRL_GPU_OUT/rl/ when
-that is set (benchmarks/gpu_check.sh sets it, and summarises them with benchmarks/rl_summary.py).
+that is set (benchmarks/gpu_host/check.sh sets it, and summarises them with benchmarks/rl_summary.py).
 """
 
 from __future__ import annotations

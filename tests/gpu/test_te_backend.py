@@ -1,10 +1,10 @@
-"""The te backend on the GPU host (issue 17): Transformer Engine's layer spec with Float8BlockScaling
+"""The te backend on the GPU host: Transformer Engine's layer spec with Float8BlockScaling
 and fp32 scales. Its FP8 weights are the reference 128x128 quantization byte for byte and the bytes
 TE cached for its own FProp; its logprobs sit as close to BF16 as the native backend's; steps lower
 the loss; the hf engine and real vLLM hold TE's bytes after a sync, before and after a step.
 
 Skipped where Transformer Engine is not installed, unless ``JETRL_REQUIRE_TE=1`` (set on the GPU
-host once benchmarks/te_install.sh installed it) makes a missing TE fail."""
+host once benchmarks/gpu_host/te_install.sh installed it) makes a missing TE fail."""
 
 import importlib.util
 import os
@@ -20,7 +20,8 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         importlib.util.find_spec("transformer_engine") is None and os.environ.get("JETRL_REQUIRE_TE") != "1",
-        reason="Transformer Engine is not installed here (benchmarks/te_install.sh installs it on the GPU host)"),
+        reason="Transformer Engine is not installed here (benchmarks/gpu_host/te_install.sh installs it on the GPU "
+               "host)"),
 ]
 
 

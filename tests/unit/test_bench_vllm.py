@@ -4,31 +4,44 @@ children's JSON; the RL-step runs it starts are valid jobs. The numbers here are
 arithmetic; the real ones come from the GPU host (docs/benchmarks.md)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import bench_vllm
+from benchmarks.headline import BEGIN, END, KEYS, update, with_table
+from benchmarks.headline import table as headline_table
 
-from benchmarks import bench_vllm  # noqa: E402
-from benchmarks.headline import update  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_headline_update_keeps_other_keys_and_refuses_non_numbers(tmp_path):
     path = tmp_path / "results" / "headline.json"
-    update(path, {"a": 1.23456}, device="GPU X", command="cmd a")
-    data = update(path, {"b": 2}, device="GPU Y", command="cmd b")
-    assert data["a"]["value"] == 1.2346 and data["a"]["device"] == "GPU X" and data["b"]["command"] == "cmd b"
-    assert set(data["a"]) == {"value", "device", "command", "date"}
+    update(path, {"linear_fp8_over_bf16": 1.23456}, device="GPU X", command="cmd a")
+    data = update(path, {"vllm_sync_8b_s": 2}, device="GPU Y", command="cmd b")
+    a, b = data["linear_fp8_over_bf16"], data["vllm_sync_8b_s"]
+    assert a["value"] == 1.2346 and a["device"] == "GPU X" and b["command"] == "cmd b"
+    assert set(a) == {"value", "device", "command", "date"}
     assert json.loads(path.read_text()) == data
-    with pytest.raises(ValueError, match="c"):
-        update(path, {"c": float("nan")}, device="GPU", command="x")
-    assert "c" not in json.loads(path.read_text())
+    with pytest.raises(ValueError, match="vllm_k3_fp8_8b6"):
+        update(path, {"vllm_k3_fp8_8b6": float("nan")}, device="GPU", command="x")
+    assert "vllm_k3_fp8_8b6" not in json.loads(path.read_text())
+    with pytest.raises(ValueError, match="KEYS"):  # a key nobody described cannot be written
+        update(path, {"made_up": 1.0}, device="GPU", command="x")
     assert sorted(p.name for p in path.parent.iterdir()) == ["headline.json"]  # no temporary left
-    assert update(path, {"k3": 2.345678e-7}, device="GPU", command="x")["k3"]["value"] == 2.3457e-7  # not 0.0
+    k3 = update(path, {"vllm_k3_fp8_8b6": 2.345678e-7}, device="GPU", command="x")["vllm_k3_fp8_8b6"]
+    assert k3["value"] == 2.3457e-7  # not 0.0
+
+
+def test_every_headline_key_is_described_and_the_table_renders():
+    data = json.loads((ROOT / "docs" / "results" / "headline.json").read_text())
+    assert set(data) <= set(KEYS), sorted(set(data) - set(KEYS))
+    text = headline_table(data)
+    assert all(f"`{k}`" in text for k in data) and "(not described" not in text
+    doc = f"intro\n{BEGIN}\nstale\n{END}\noutro\n"
+    assert with_table(doc, data) == f"intro\n{BEGIN}\n{text}\n{END}\noutro\n"
+    with pytest.raises(ValueError, match="markers"):
+        with_table("no markers", data)
 
 
 def _decode(mode, tok_s):

@@ -3,31 +3,18 @@ starts is a valid job, the speed config fits an H100, and its summary, tables an
 what they say from metrics.jsonl files. The metrics here are made up for the arithmetic; the
 study's real numbers come from the GPU host (docs/results.md)."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_jetrl.job.estimate import GPU_MEMORY_GIB, GiB
+from benchmarks import mismatch_plots as plots
+from benchmarks import mismatch_study as study
 from megatron_jetrl.job import load_data, load_job, resolve
+from megatron_jetrl.job.estimate import GPU_MEMORY_GIB, GiB
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _module(name):
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import each other, as run from there
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-study = _module("mismatch_study")
-plots = _module("mismatch_plots")
 
 
 def test_every_run_is_a_valid_job(tmp_path):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU host: install the carried wheels, build the CUDA extension, run every GPU
 # test and every benchmark, and print the summary tables last.
-#   device tool:  carry [".whl"], command: bash benchmarks/gpu_check.sh
+#   device tool:  carry [".whl"], command: bash benchmarks/gpu_host/check.sh
 # Logs and JSON go to $OUT (or ./gpu_check_out when $OUT is unset).
-#   bash benchmarks/gpu_check.sh [--tests-only | --bench-only] [--tests "tests/gpu/test_a.py ..."]
+#   bash benchmarks/gpu_host/check.sh [--tests-only | --bench-only] [--tests "tests/gpu/test_a.py ..."]
 #                                [--benches "fp8_linear actor sync decode"] [--no-unit]
 # A device call is limited to 10 minutes: on a fresh 2-GPU host run --tests-only and --bench-only
 # as two calls (the build is reused while the machine stays warm).
@@ -21,8 +21,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 out=${OUT:-gpu_check_out}
-# shellcheck source=benchmarks/gpu_setup.sh
-. benchmarks/gpu_setup.sh
+# shellcheck source=benchmarks/gpu_host/setup.sh
+. benchmarks/gpu_host/setup.sh
 
 gpu_rc=0 unit_rc=0 bench_rc=0
 if [ $run_tests -eq 1 ]; then
@@ -50,20 +50,20 @@ bench() {  # name, command...
 }
 if [ $run_bench -eq 1 ]; then
   wants() { [[ " $benches " == *" $1 "* ]]; }
-  wants fp8_linear && bench bench_fp8_linear python3 benchmarks/bench_fp8_linear.py --json "$out/bench_fp8_linear.json"
+  wants fp8_linear && bench bench_fp8_linear python3 -m benchmarks.bench_fp8_linear --json "$out/bench_fp8_linear.json"
   # Qwen3-8B-shaped layers that fit one GPU with fp32 Adam state: 12 on an H200 (peak ~90 GB), 6 on an H100
   mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   layers=${ACTOR_BENCH_LAYERS:-$([ "$mem_mib" -ge 120000 ] && echo 12 || echo 6)}
   wants actor && bench bench_actor_tp1 env CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc-per-node=1 \
-    benchmarks/bench_actor_step.py --layers "$layers" --json "$out/bench_actor_tp1.json"
+    -m benchmarks.bench_actor_step --layers "$layers" --json "$out/bench_actor_tp1.json"
   wants sync && bench bench_sync_1gpu env CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc-per-node=1 \
-    benchmarks/bench_weight_sync.py --json "$out/bench_sync_1gpu.json"
-  wants decode && bench bench_rollout_decode env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_rollout_decode.py \
+    -m benchmarks.bench_weight_sync --json "$out/bench_sync_1gpu.json"
+  wants decode && bench bench_rollout_decode env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.bench_rollout_decode \
     --json "$out/bench_rollout_decode.json"
   if [ "$gpus" -ge 2 ]; then
-    wants actor && bench bench_actor_tp2 torchrun --standalone --nproc-per-node=2 benchmarks/bench_actor_step.py \
+    wants actor && bench bench_actor_tp2 torchrun --standalone --nproc-per-node=2 -m benchmarks.bench_actor_step \
       --layers "$layers" --tp 2 --json "$out/bench_actor_tp2.json"
-    wants sync && bench bench_sync_2gpu torchrun --standalone --nproc-per-node=2 benchmarks/bench_weight_sync.py \
+    wants sync && bench bench_sync_2gpu torchrun --standalone --nproc-per-node=2 -m benchmarks.bench_weight_sync \
       --tp 2 --rollout-tp 1 2 --json "$out/bench_sync_2gpu.json"
   fi
   echo
@@ -74,7 +74,7 @@ if [ $run_bench -eq 1 ]; then
 fi
 if ls "$out"/rl/*.metrics.jsonl >/dev/null 2>&1; then  # RL runs of tests/gpu/test_rl_loop.py
   echo "== RL runs"
-  python3 benchmarks/rl_summary.py "$out"/rl/*.metrics.jsonl --json "$out/rl_summary.json"
+  python3 -m benchmarks.rl_summary "$out"/rl/*.metrics.jsonl --json "$out/rl_summary.json"
 fi
 echo "gpu tests rc=$gpu_rc  unit tests rc=$unit_rc  benchmark rc=$bench_rc"
 [ $gpu_rc -eq 0 ] && [ $unit_rc -eq 0 ] && [ $bench_rc -eq 0 ]

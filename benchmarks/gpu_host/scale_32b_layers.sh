@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The scale run of issue 7, one call on a 4-GPU host (H200): Qwen3-32B layer dimensions with
+# The scale run, one call on a 4-GPU host (H200): Qwen3-32B layer dimensions with
 # $LAYERS of its 64 layers (random weights), unified FP8, three RL steps through `jetrl train`
 # under torchrun, at TP=4 and at TP=2 x PP=2; the full 64-layer model's memory plan; the full
 # recompute check on one GPU; then the summary table (benchmarks/scale_summary.py) last.
-#   device tool:  kind nvidia-h200-x4, carry [".whl"], command: bash benchmarks/scale_4gpu.sh
+#   device tool:  kind nvidia-h200-x4, carry [".whl"], command: bash benchmarks/gpu_host/scale_32b_layers.sh
 # Logs, metrics and the JSON summary go to $OUT (or ./scale_out) as scale_logs.tgz + scale.json.
 set -uo pipefail
 out=${OUT:-scale_out}
-# shellcheck source=benchmarks/gpu_setup.sh
-. benchmarks/gpu_setup.sh
+# shellcheck source=benchmarks/gpu_host/setup.sh
+. benchmarks/gpu_host/setup.sh
 t_start=$(date +%s)
 layers=${LAYERS:-32}
 cfg=benchmarks/configs/qwen3_32b_dims.yaml
@@ -58,5 +58,5 @@ echo "== recompute (1 GPU)"
 python3 -c "import json; print(json.dumps(json.load(open('/tmp/recompute/results.json')), indent=1))" 2>&1 | head -40
 echo
 echo "== scale runs ($((($(date +%s) - t_start))) s)"
-python3 benchmarks/scale_summary.py "$runs"/* --world-size "$gpus" --json "$out/scale.json"
+python3 -m benchmarks.scale_summary "$runs"/* --world-size "$gpus" --json "$out/scale.json"
 exit $rc_all

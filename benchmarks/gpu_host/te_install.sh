@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# On the GPU host: Transformer Engine 2.20.2 from the folders benchmarks/te_bundle.sh staged (copied
+# On the GPU host: Transformer Engine 2.20.2 from the folders benchmarks/gpu_host/te_bundle.sh staged (copied
 # to /tmp/teb by the carrying calls) into /tmp/tesite. Checks every file against the manifest
 # first and names a missing or damaged one; builds transformer-engine-torch (33 C++ files, no CUDA
 # kernels) against the host's torch 2.11 + CUDA 13 headers with its 16 cores; skips everything when
 # /tmp/tesite already holds it. Then: export PYTHONPATH=/tmp/tesite:$PYTHONPATH
 #
-#   bash benchmarks/te_install.sh [/tmp/teb]
+#   bash benchmarks/gpu_host/te_install.sh [/tmp/teb]
 set -euo pipefail
 src=${1:-/tmp/teb}
 site=/tmp/tesite
@@ -46,7 +46,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$w
   || { tail -20 "$log"; exit 1; }
 tar xzf "$work"/transformer_engine_torch-2.20.2.tar.gz -C "$work"
 # CUDA headers from the toolkit (nvcc's): the torch venv's nvidia/cu13 wheel lacks crt/host_config.h,
-# so NVTE_BUILD_USE_NVIDIA_WHEELS=1 fails (seen 2026-11-26). cudnn.h, which the toolkit lacks, from the
+# so NVTE_BUILD_USE_NVIDIA_WHEELS=1 fails. cudnn.h, which the toolkit lacks, from the
 # nvidia-cudnn wheel through CPLUS_INCLUDE_PATH (searched after -I, so the toolkit's headers win);
 # cudnn_frontend.h from the wheel just installed (found through $site).
 cudnn_inc=$(python3 -c "import glob, nvidia
@@ -59,8 +59,8 @@ print(h[0].rsplit('/', 1)[0] if h else '')")
      MAX_JOBS=16 python3 -m pip wheel -v --no-build-isolation --no-deps --no-index -w "$work/dist" . ) >>"$log" 2>&1 \
   || { echo "te_install: building transformer-engine-torch failed (log $log):"; tail -40 "$log"; exit 1; }
 # The built wheel puts its library into transformer_engine/wheel_lib/, a folder of the package
-# installed above: pip --target does not merge into an existing package folder (it warned and
-# skipped it, 2026-11-26), so install it apart and copy it in.
+# installed above: pip --target does not merge into an existing package folder (it warns and
+# skips it), so install it apart and copy it in.
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$work/torch_ext" "$work"/dist/*.whl >>"$log" 2>&1 \
   || { tail -20 "$log"; exit 1; }
 cp -a "$work/torch_ext/." "$site/"

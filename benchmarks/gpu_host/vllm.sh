@@ -5,20 +5,20 @@
 # /tmp/bench_vllm while the machine stays warm; both go back packed as $OUT/vllm_gpu.tgz (the
 # device tool returns few files).
 #
-#   bash benchmarks/vllm_gpu.sh [--tests "engine engine-two rl"] [--decode bf16,fp8,fp8kv] [--cases 64x512,...]
+#   bash benchmarks/gpu_host/vllm.sh [--tests "engine engine-two rl"] [--decode bf16,fp8,fp8kv] [--cases 64x512,...]
 #                               [--profile] [--sync in_place,update_weights,reload] [--step] [--table]
 #                               [--fp8-gemm cutlass|deep_gemm] [--sync-tp "2:2 2:1"]
 # --sync-tp: train:rollout TP layouts for --sync (default 1:1; more than one GPU runs under torchrun).
 # --step-modes fp8,bf16,mixed,fp8-vq: the RL-step modes (implies --step); --profile also profiles
 # one more step of each (run.profile_steps). --step-args "ARGS": more bench_vllm.py step arguments,
-# e.g. "--step-layers 16 --step-response-len 2048 --step-offload --step-mb-tokens 8192" (16384 ran out of
-# memory on an H200 at 16 layers beside vLLM at 0.3 of the GPU, 2026-11-26).
+# e.g. "--step-layers 16 --step-response-len 2048 --step-offload --step-mb-tokens 8192" (16384 runs out of
+# memory on an H200 at 16 layers beside vLLM at 0.3 of the GPU).
 # --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
 # ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM), exact (the exact
 # rollout's tests; exact-tiny / exact-8b: at the tiny model's or Qwen3-8B's widths), or a test file.
 # --ablation "ARGS": benchmarks/exact_ablation.py all ARGS (e.g. "--models tiny,8b6 --runs exact:fp8"),
 # results in /tmp/exact_ablation, its table last.
-# --actor "ARGS": the actor-step benchmark (issue 16; ARGS are bench_actor_step.py's), torchrun on one
+# --actor "ARGS": the actor-step benchmark (ARGS are bench_actor_step.py's), torchrun on one
 # GPU; repeatable. --linear: the FP8 linear benchmark, its headline key into /tmp/bench_vllm/headline_linear.json.
 # --with-te: Transformer Engine for this run only (waits up to 20 min for the five .te_pK folders the
 # carrying calls copy to /tmp/teb, runs te_install.sh once, puts /tmp/tesite first on PYTHONPATH with
@@ -51,24 +51,31 @@ while [ $# -gt 0 ]; do
 done
 out=${JETRL_VLLM_OUT:-/tmp/vllm_gpu_out}  # one per lane when two run side by side (vllm_lanes.sh)
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
-# shellcheck source=benchmarks/gpu_setup.sh
-. benchmarks/gpu_setup.sh
-if [ -d /tmp/vb/.vllm_p1 ] && [ ! -f /tmp/vsite/.installed ]; then
-  BUNDLE_ROOT=/tmp/vb bash /tmp/vb/.vllm_p1/install.sh >"$out/vllm_install.log" 2>&1 \
-    || { tail -30 "$out/vllm_install.log"; exit 1; }
-  touch /tmp/vsite/.installed
+# shellcheck source=benchmarks/gpu_host/setup.sh
+. benchmarks/gpu_host/setup.sh
+# vLLM: the one this Python imports (pip install 'megatron-jetrl[vllm]'); only where there is none, the
+# offline bundle carried into /tmp/vb (../shared/device/vllm/README.md), installed once into /tmp/vsite
+if ! python3 -c "import vllm" 2>/dev/null; then
+  if [ -d /tmp/vb/.vllm_p1 ] && [ ! -f /tmp/vsite/.installed ]; then
+    BUNDLE_ROOT=/tmp/vb bash /tmp/vb/.vllm_p1/install.sh >"$out/vllm_install.log" 2>&1 \
+      || { tail -30 "$out/vllm_install.log"; exit 1; }
+    touch /tmp/vsite/.installed
+  fi
+  [ -d /tmp/vsite/vllm ] || { echo "no vLLM here: pip install 'megatron-jetrl[vllm]', or carry the offline bundle" \
+    "into /tmp/vb (benchmarks/gpu_host/README.md)"; exit 1; }
+  export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0  # the bundle has no flashinfer
 fi
-[ -d /tmp/vsite/vllm ] || { echo "vLLM is not installed in /tmp/vsite: carry the bundle first"; exit 1; }
-export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
-  HF_HUB_OFFLINE=1 JETRL_REQUIRE_VLLM=1
+export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 JETRL_REQUIRE_VLLM=1
 python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$out/device.txt" || exit 1
-if [ $with_te -eq 1 ]; then
+if [ $with_te -eq 1 ] && python3 -c "import transformer_engine" 2>/dev/null; then
+  export JETRL_REQUIRE_TE=1 NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1  # the Transformer Engine this Python imports
+elif [ $with_te -eq 1 ]; then  # none: build it from the parts te_bundle.sh made, carried into /tmp/teb
   for _ in $(seq 120); do
     [ "$(ls -d /tmp/teb/.te_p[1-5] 2>/dev/null | wc -l)" -eq 5 ] && break
     sleep 10
   done
   t0=$(date +%s)
-  bash benchmarks/te_install.sh /tmp/teb >"$out/te_install.log" 2>&1 || { tail -40 "$out/te_install.log"; exit 1; }
+  bash benchmarks/gpu_host/te_install.sh /tmp/teb >"$out/te_install.log" 2>&1 || { tail -40 "$out/te_install.log"; exit 1; }
   echo "te_install: rc=0 in $(( $(date +%s) - t0 )) s: $(tail -2 "$out/te_install.log" | head -1)"
   export PYTHONPATH=/tmp/tesite:$PYTHONPATH JETRL_REQUIRE_TE=1 NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
 fi
@@ -93,12 +100,12 @@ for t in $tests; do
   echo "$f${k:+ -k $k} rc=$r ($(( $(date +%s) - t0 ))s): $(tail -1 "$out/test_$name.log")"
   grep -E "^(FAILED|ERROR)|Fatal Python error|^E  " "$out/test_$name.log" | head -30
 done
-[ -d "$out/rl" ] && python3 benchmarks/rl_summary.py "$out"/rl/*.metrics.jsonl --json "$out/rl_summary.json"
+[ -d "$out/rl" ] && python3 -m benchmarks.rl_summary "$out"/rl/*.metrics.jsonl --json "$out/rl_summary.json"
 
 if [ $linear -eq 1 ]; then
   t0=$(date +%s)
   mkdir -p /tmp/bench_vllm
-  python3 benchmarks/bench_fp8_linear.py --json "$out/bench_fp8_linear.json" \
+  python3 -m benchmarks.bench_fp8_linear --json "$out/bench_fp8_linear.json" \
     --headline /tmp/bench_vllm/headline_linear.json >"$out/bench_fp8_linear.log" 2>&1
   r=$?; [ $r -eq 0 ] || rc=$r
   echo "linear: rc=$r in $(( $(date +%s) - t0 )) s"; grep -v -i warn "$out/bench_fp8_linear.log" | tail -30
@@ -106,7 +113,7 @@ fi
 for i in "${!actor[@]}"; do
   t0=$(date +%s)
   # shellcheck disable=SC2086  # the arguments are words
-  torchrun --standalone --nproc-per-node=1 benchmarks/bench_actor_step.py ${actor[$i]} \
+  torchrun --standalone --nproc-per-node=1 -m benchmarks.bench_actor_step ${actor[$i]} \
     --json "$out/actor_$i.json" >"$out/actor_$i.log" 2>&1
   r=$?; [ $r -eq 0 ] || rc=$r
   echo "actor ${actor[$i]}: rc=$r in $(( $(date +%s) - t0 )) s"
@@ -116,12 +123,12 @@ done
 if [ -n "$ablation" ]; then
   t0=$(date +%s)
   # shellcheck disable=SC2086  # ablation holds arguments
-  python3 benchmarks/exact_ablation.py all $ablation --work /tmp/exact_ablation >"$out/exact_ablation.log" 2>&1
+  python3 -m benchmarks.exact_ablation all $ablation --work /tmp/exact_ablation >"$out/exact_ablation.log" 2>&1
   r=$?; [ $r -eq 0 ] || rc=$r
   echo "exact ablation ($ablation): rc=$r in $(( $(date +%s) - t0 )) s"; tail -60 "$out/exact_ablation.log"
 fi
 
-bench=(python3 benchmarks/bench_vllm.py --fp8-gemm "$gemm")
+bench=(python3 -m benchmarks.bench_vllm --fp8-gemm "$gemm")
 [ -n "$decode" ] && { "${bench[@]}" decode --modes "$decode" --cases "$cases" $profile || rc=1; }
 for layout in $sync_tp; do
   [ -n "$sync" ] && { "${bench[@]}" sync --paths "$sync" --train-tp "${layout%:*}" --rollout-tp "${layout#*:}" || rc=1; }

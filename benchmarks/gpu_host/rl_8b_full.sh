@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 19, run 2: the Qwen3-8B job with vLLM rollout on every GPU of a 4- or 8-GPU host, in one call.
+# The Qwen3-8B job at full size with vLLM rollout on every GPU of a 4- or 8-GPU host, in one call.
 # Qwen3-8B at real shapes (36 layers, vocab 151936, random weights; benchmarks/configs/qwen3_8b_dims.yaml
 # with all its layers), `jetrl train` under torchrun: FP8 (unified) then BF16 for $STEPS steps each;
 # then a SIGUSR1 -> checkpoint -> resume of the FP8 job on its own directory; `jetrl check`'s memory
 # plan for the same layout beside the measured peak per GPU; the table last.
 #
 #   device: kind nvidia-h100-x4 (or -x8 / h200), after the vLLM bundle's three carrying calls, the
-#   third carrying [".vllm_p3", ".whl"]:  bash benchmarks/vllm_8b_multi.sh start
-#   then, back to back until it says ALL DONE:   bash benchmarks/vllm_8b_multi.sh wait 560
+#   third carrying [".vllm_p3", ".whl"]:  bash benchmarks/gpu_host/rl_8b_full.sh start
+#   then, back to back until it says ALL DONE:   bash benchmarks/gpu_host/rl_8b_full.sh wait 560
 #   (the whole run takes longer than one call; it runs on in the background while the machine is held)
 #   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 4) override the layout.
 # Logs and metrics go back as $OUT/vllm_8b_multi.tgz. Without an argument it runs in the foreground.
@@ -27,7 +27,7 @@ case "${1:-}" in
     [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C /tmp vllm_8b_out
     exit 0 ;;
 esac
-JETRL_VLLM_OUT=$out/setup bash benchmarks/vllm_gpu.sh || exit 1  # installs vLLM, builds the extension
+JETRL_VLLM_OUT=$out/setup bash benchmarks/gpu_host/vllm.sh || exit 1  # installs vLLM, builds the extension
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -87,7 +87,7 @@ for f in "$runs"/*/metrics.jsonl; do cp "$f" "$out/$(basename "$(dirname "$f")")
 [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C /tmp vllm_8b_out
 echo
 echo "== Qwen3-8B, $gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), TP=$tp, rollout TP=$rtp"
-python3 benchmarks/rl_summary.py "$out"/fp8.metrics.jsonl "$out"/bf16.metrics.jsonl "$out"/preempt.metrics.jsonl \
+python3 -m benchmarks.rl_summary "$out"/fp8.metrics.jsonl "$out"/bf16.metrics.jsonl "$out"/preempt.metrics.jsonl \
   --json "$out/summary.json" 2>&1 | tail -12
 python3 - "$out/summary.json" "$out/plan.log" <<'PYEOF'
 import json, re, sys
