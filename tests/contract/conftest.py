@@ -3,6 +3,8 @@
 vLLM picks its platform on first use from ``VLLM_TARGET_DEVICE``: these tests build vLLM's model
 classes on its CPU platform, so the variable is set here, before any test module imports vLLM.
 (The test process plays the launcher; the package itself never sets environment variables.)
+vLLM also reads the host CPU's features (AMX); what the tests' models depend on is pinned where
+they are built, in ``tests/contract/vllm_cpu.py`` (imported by spawned workers too).
 """
 
 import os

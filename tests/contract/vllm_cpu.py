@@ -3,11 +3,15 @@
 The minimum real setup: ``vllm.EngineArgs(**llm_kwargs(...)).create_engine_config()`` (the exact
 arguments ``VllmEngine`` passes to ``vllm.LLM``; only sleep mode is off, which the CPU platform
 lacks), vLLM's distributed state on gloo, then the steps of ``BaseModelLoader.load_model`` for
-``load_format="dummy"`` without its CUDA cache calls. One thing is stubbed: the choice of the
-block-FP8 GEMM kernel (vLLM has no CPU kernel to choose). It returns ``CutlassFp8BlockScaledMMKernel``,
-the kernel vLLM picks on Hopper when DeepGEMM and FlashInfer are absent; its weight processing is
-the shared ``Fp8BlockScaledMMLinearKernel.process_weights_after_loading``, which the DeepGEMM kernel
-also runs first (its fp32 128x128 scale transform is an identity on SM90).
+``load_format="dummy"`` without its CUDA cache calls. Two choices are stubbed:
+
+- the block-FP8 GEMM kernel (vLLM has no CPU kernel to choose). It returns
+  ``CutlassFp8BlockScaledMMKernel``, the kernel vLLM picks on Hopper when DeepGEMM and FlashInfer
+  are absent; its weight processing is the shared
+  ``Fp8BlockScaledMMLinearKernel.process_weights_after_loading``, which the DeepGEMM kernel also
+  runs first (its fp32 128x128 scale transform is an identity on SM90).
+- the host-CPU check for vLLM's AMX GEMM (``no_sgl_kernel``), so that the tests take the same path
+  on every CI machine. It is set when this module is imported, and so also in spawned workers.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 import transformers
 import vllm
 import vllm.model_executor.kernels.linear as vllm_linear_kernels
+import vllm.model_executor.kernels.linear.scaled_mm.cpu as vllm_scaled_mm_cpu
+import vllm.model_executor.layers.utils as vllm_layer_utils
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFp8BlockScaledMMKernel
@@ -85,7 +91,7 @@ def init_vllm_distributed(init_file: Path, *, world_size: int = 1, rank: int = 0
 
 @contextlib.contextmanager
 def block_fp8_kernel_on_cpu() -> Iterator[None]:
-    """The one stub: vLLM's block-FP8 kernel choice answers with its Hopper CUTLASS kernel."""
+    """The first stub: vLLM's block-FP8 kernel choice answers with its Hopper CUTLASS kernel."""
     real = vllm_linear_kernels.choose_scaled_mm_linear_kernel
 
     def choose(config, possible_kernels, compute_capability=None, force_kernel=None, *, quantization):
@@ -98,6 +104,31 @@ def block_fp8_kernel_on_cpu() -> Iterator[None]:
         yield
     finally:
         vllm_linear_kernels.choose_scaled_mm_linear_kernel = real
+
+
+SGL_CHECK_READERS = (vllm_layer_utils, vllm_scaled_mm_cpu)
+"""The modules whose ``check_cpu_sgl_kernel`` vLLM 0.32 calls: the unquantized CPU GEMM dispatch
+(``dispatch_cpu_unquantized_gemm``) and the CPU int8 scaled-mm kernel (which imports it by name)."""
+VLLM_SGL_CHECK = vllm_layer_utils.check_cpu_sgl_kernel
+"""vLLM's own check, kept for the test that shows what it does on an AMX host."""
+
+
+def no_sgl_kernel(n: int, k: int, dtype: torch.dtype) -> bool:
+    """The second stub, in place of vLLM's ``check_cpu_sgl_kernel`` whatever the host CPU.
+
+    On a CPU with AMX (``torch.cpu._is_amx_tile_supported()``: Sapphire Rapids and newer) vLLM's
+    check is true for every small bf16 weight (at most 1 MiB, N % 16 == 0, K % 32 == 0): all the
+    linears of the tests' tiny models. vLLM then packs them with ``torch.ops._C.convert_weight_packed``,
+    an op of vLLM's CPU build that the PyPI wheel lacks, and drops their ``weight``. vLLM 0.32 has no
+    setting for this. With the stub, vLLM takes the path it takes on a CPU without AMX
+    (``torch.nn.functional.linear``, the weight kept), which is also what a GPU worker holds."""
+    return False
+
+
+for _module in SGL_CHECK_READERS:
+    # on import, so that it holds in the pytest process and in every spawned worker (which imports
+    # this module to unpickle its target): the tests take the same path on every host
+    _module.check_cpu_sgl_kernel = no_sgl_kernel
 
 
 def build_vllm_model(vllm_config: VllmConfig) -> torch.nn.Module:
