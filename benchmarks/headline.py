@@ -42,8 +42,9 @@ KEYS = {  # key -> (what it is, target or "")
     "vllm_k3_fp8_8b6": ("engine-vs-trainer k3 KL, unified FP8, default engine, 8B widths × 6", ""),
     "vllm_k3_mixed_8b6": ("the same, BF16-train + FP8-rollout (the off-policy recipe)", ""),
     "vllm_k3_bf16_8b6": ("the same, BF16", ""),
-    "vllm_exact_max_abs_dlogp": ("largest engine-vs-trainer |Δlogp| with precision.exact", "0"),
-    "vllm_exact_decode_over_default": ("vLLM decode tok/s, exact FP8 over default FP8, Qwen3-8B × 36", "≥ 0.9×"),
+    "vllm_exact_max_abs_dlogp": ("largest engine-vs-trainer abs(Δlogp) with precision.exact", "0"),
+    "vllm_exact_decode_over_default": ("vLLM decode tok/s, exact FP8 over default FP8, Qwen3-8B × 36, 128 × 2,048",
+                                       "≥ 0.9×"),
     "rl_step_exact_over_default": ("whole RL step, default FP8 time over exact FP8 time (no recompute)", "> 1×"),
 }
 
@@ -70,7 +71,7 @@ def table(data: Mapping[str, Mapping]) -> str:
     """The headline file as a markdown table, in ``KEYS`` order (keys it does not list last)."""
     rows = ["| key | what | value | target | device | date |", "|---|---|---:|---|---|---|"]
     for key in [k for k in KEYS if k in data] + sorted(k for k in data if k not in KEYS):
-        what, target = KEYS.get(key, ("(not described in benchmarks/headline.py)", ""))
+        what, target = (cell.replace("|", "\\|") for cell in KEYS.get(key, ("(not described in headline.py)", "")))
         entry = data[key]
         rows.append(f"| `{key}` | {what} | {entry['value']:.4g} | {target} | {entry['device']} | {entry['date']} |")
     return "\n".join(rows)

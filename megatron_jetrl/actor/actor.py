@@ -58,7 +58,7 @@ from megatron_jetrl.precision.kv_cache import KvAmaxObserver, kv_scales_from_ama
 # buffers (precision/gemm.py), FProp and DGrad need their rows padded to 4, and the transposed
 # quantization falls back to byte stores (M % 16). In the 16-layer RL step (micro-batches of ~4K
 # tokens, arbitrary counts) that cost the FP8 update ~1 s of copies and made its quantization 4x
-# slower per token than in the aligned actor benchmark (2026-11-26). Transformer Engine refuses
+# slower per token than in the aligned actor benchmark. Transformer Engine refuses
 # other counts outright (a multiple of 16: ``assert_dim_for_fp8_exec``). At most 127 padding tokens.
 FP8_TOKEN_MULTIPLE = 128
 

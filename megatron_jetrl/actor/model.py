@@ -13,7 +13,7 @@ Precision modes (``PrecisionRecipe.mode``):
   launcher must set ``recipe.te_settings(...).env`` before anything imports TE; this module checks
   it and refuses otherwise. The weight sync reads TE's own FP8 bytes of each linear
   (``te_fp8_weight``), equal to the reference quantization byte for byte
-  (tests/gpu/test_te_backend.py, passed on an H200 with TE 2.20.2, 2026-11-26).
+  (tests/gpu/test_te_backend.py, with TE 2.20.2).
 """
 
 from __future__ import annotations

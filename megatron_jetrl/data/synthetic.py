@@ -14,7 +14,7 @@ Scoring is strict and never raises on model output: the whole response (surround
 aside) must be the answer, so trailing text after a correct answer scores 0. Countdown responses
 are parsed by a small recursive-descent parser over exact fractions, never ``eval``.
 
-``chain`` is the long-response task (issue 8's mismatch study): from a two-digit seed, ``length``
+``chain`` is the long-response task (the mismatch study's task): from a two-digit seed, ``length``
 iterates of the fixed map x -> (21 x + 37) mod 100, 3 x length - 1 characters of response. Each
 entry follows from the previous one, so one early mistake spoils the rest, as in a long chain of
 reasoning; it scores the fraction of entries correct before the first wrong one (partial credit

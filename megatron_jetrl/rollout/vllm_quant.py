@@ -41,7 +41,7 @@ def quantize_rows_op() -> Any:
     e4m3, scale_inv [M, K/128] fp32, strides (1, M rounded up to m_align))``: ``ops.quantize_1x128``
     as a torch custom op; ``m_align`` 4 gives the TMA-aligned scale layout DeepGEMM reads. The
     aligned copy happens inside the op: traced by torch.compile, ``torch.empty_strided`` of a
-    symbolic shape failed (vLLM 0.26.0 + DeepGEMM, 2026-11-26)."""
+    symbolic shape fails (vLLM 0.26.0 + DeepGEMM)."""
     global _op
     if _op is None:
         from megatron_jetrl.ops.quantize import quantize_1x128

@@ -218,7 +218,7 @@ class Scenarios:
                     advantages=[torch.full((n,), float(torch.randn((), generator=g))) for n in lens])
                 # The first calls, unwatched: lazy CUDA state, and torch.compile's first compilation of
                 # each logprob chunk function (inductor's constant folding reads a scalar to the host,
-                # once per compilation: seen 2026-11-26). Run under "warn" with their syncs recorded
+                # once per compilation). Run under "warn" with their syncs recorded
                 # apart, not asserted, so the debug-mode switch itself has been made once too.
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")

@@ -186,3 +186,10 @@ def test_step_modes_are_valid_jobs_and_unknown_ones_refused(capsys):
     with pytest.raises(SystemExit):
         bench_vllm.main(["step", "--step-modes", "fp8,fp9"])
     assert "--step-modes: unknown fp9" in capsys.readouterr().err
+
+
+def test_the_docs_table_is_the_headline_file():
+    """docs/benchmarks.md's table is generated from headline.json (python -m benchmarks.headline table --write)."""
+    data = json.loads((ROOT / "docs" / "results" / "headline.json").read_text())
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert with_table(doc, data) == doc, "run: python -m benchmarks.headline table --write docs/benchmarks.md"
