@@ -17,14 +17,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import yaml
 
 from megatron_jetrl import launch
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.job.estimate import gpu_capacity
-from megatron_jetrl.job import JobConfig, Resolved, load_data, load_job, missing_inputs, resolve
+from megatron_jetrl.rollout.engines import engine_kind
+from megatron_jetrl.job import JobConfig, JobData, Resolved, load_data, load_job, missing_inputs, resolve
 from megatron_jetrl.runtime.signals import PreemptionSignal
 
 EXIT_CONFIG = 2
@@ -69,6 +71,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
 
 
+@dataclass
+class Preflight:
+    """What ``preflight`` found: the resolved job, its data (None where the files are not there
+    yet, ``check`` only) and, for ``check``, what ``train`` would refuse as warnings."""
+
+    resolved: Resolved
+    data: Optional[JobData]
+    warnings: list[str]
+    missing: int = 0
+    plan_config: Optional[str] = None
+
+
+def preflight(job: JobConfig, *, nodes: int, per_node: int, planning: bool, machine: bool = True) -> Preflight:
+    """Every check that needs no GPU, in one order for ``jetrl check`` and ``jetrl train``: the run
+    directory, the inputs on disk, the layout for ``nodes`` x ``per_node`` processes, the data, and
+    what this machine lacks (``machine``: not for the CPU smoke run). ``planning`` (``check``): a
+    user plans before downloading and possibly on another machine, so missing inputs and machine
+    problems are warnings and the plan may use ``model.plan_config``; otherwise the first of them is
+    the error."""
+    world = nodes * per_node
+    job.run.check_dir()  # a run dir that cannot be written would fail at the first save
+    missing = missing_inputs(job)
+    warnings = [f"{key} {path} does not exist yet: {fix} (jetrl train needs it)" for key, path, fix in missing]
+    if missing and not planning:
+        raise ConfigError(missing[0][0], missing[0][1], "does not exist: " + "; ".join(
+            f"{fix}" if i == 0 else f"also {key} {path}: {fix}" for i, (key, path, fix) in enumerate(missing)))
+    plan_config = None
+    if any(key == "model.hf_config" for key, _, _ in missing):
+        if job.model.plan_config is None:
+            raise ConfigError("model.hf_config", job.model.hf_config,
+                              "no config.json there yet: download the model, or set model.plan_config to a config.json "
+                              "of the same model to plan with (the recipes point at examples/configs/models/)")
+        plan_config = job.model.plan_config
+    resolved = resolve(job, world, hf_config=None if plan_config is None else job.model.plan_config_dict())
+    launch.check_parallel_layout(nodes, per_node, job.actor.parallel, resolved.rollout_tp)
+    if machine:  # before the data, the model and the warm-up
+        problems = machine_problems(job)
+        if problems and not planning:
+            raise problems[0]
+        warnings += [f"{p} (jetrl train needs it on the GPU hosts)" for p in problems]
+    # what the data check reads: the tokenizer and the data files (config.json too when the tokenizer
+    # is the model's directory); with the plan's config it runs before the weights are downloaded
+    unchecked = [key for key, _, _ in missing
+                 if key != "model.checkpoint" and not (key == "model.hf_config" and job.model.tokenizer is not None)]
+    data = None if unchecked else load_data(job, resolved)
+    if unchecked:
+        warnings.append("tokenizer and data not checked (they need the files above)")
+    return Preflight(resolved, data, warnings, len(missing), plan_config)
+
+
 def check(job: JobConfig, args: argparse.Namespace) -> int:
     capacity = gpu_capacity(args.gpu_memory)
     for flag, value in (("--world-size", args.world_size), ("--nodes", args.nodes),
@@ -79,43 +131,33 @@ def check(job: JobConfig, args: argparse.Namespace) -> int:
         raise ConfigError("--world-size", args.world_size,
                           f"contradicts --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = "
                           f"{args.nodes * args.gpus_per_node}; give one of them")
+    world_from = "--world-size"
     if args.world_size is not None:
         world = args.world_size
     elif args.nodes is not None:
-        world = args.nodes * args.gpus_per_node
+        world, world_from = args.nodes * args.gpus_per_node, "--nodes"
     else:
-        world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+        env = next((name for name in ("WORLD_SIZE", "SLURM_NTASKS") if os.environ.get(name)), None)
+        world, world_from = (int(os.environ[env]), env) if env else (1, None)
     per_node = min(args.gpus_per_node, world)
     if world % per_node:
         raise ConfigError("--world-size", world, f"must be a multiple of --gpus-per-node ({per_node})")
-    missing = missing_inputs(job)  # a user plans before downloading: warn, plan from what is here
-    plan_config = None
-    if any(key == "model.hf_config" for key, _, _ in missing):
-        if job.model.plan_config is None:
-            raise ConfigError("model.hf_config", job.model.hf_config,
-                              "no config.json there yet: download the model, or set model.plan_config to a config.json "
-                              "of the same model to plan with (the recipes point at examples/configs/models/)")
-        plan_config = job.model.plan_config_dict()
-    resolved = resolve(job, world, hf_config=plan_config)
-    launch.check_parallel_layout(world // per_node, per_node, job.actor.parallel, resolved.rollout_tp)
-    unchecked = [key for key, _, _ in missing if key != "model.checkpoint"]  # what the data check reads
-    if not unchecked:
-        load_data(job, resolved)
-    print("\n".join(resolved.describe(job, capacity)))
+    try:
+        found = preflight(job, nodes=world // per_node, per_node=per_node, planning=True)
+    except ConfigError as e:
+        if world_from is None and "world size" in e.allowed:  # planned for 1 process: say how to plan for more
+            raise ConfigError(e.key, e.got, f"{e.allowed}; jetrl check planned for 1 process: pass --nodes N "
+                              f"(x --gpus-per-node, default 8) or --world-size N") from None
+        raise
+    print("\n".join(found.resolved.describe(job, capacity)))
     print(f"run dir      {job.run.dir}")
-    if plan_config is not None:
-        print(f"planned with model.plan_config {job.model.plan_config}")
-    for key, path, fix in missing:
-        print(f"WARNING: {key} {path} does not exist yet: {fix} (jetrl train needs it)")
-    if unchecked:
-        print("WARNING: tokenizer and data not checked (they need the files above)")
-    problems = resolved.memory.problems(capacity)
-    for line in problems:
+    if found.plan_config is not None:
+        print(f"planned with model.plan_config {found.plan_config}")
+    problems = found.resolved.memory.problems(capacity)
+    for line in [*found.warnings, *problems]:
         print(f"WARNING: {line}")
-    for problem in machine_problems(job):  # planning may happen on a machine without them
-        print(f"WARNING: {problem} (jetrl train needs it on the GPU hosts)")
     print("config OK" + (", but it does not fit in memory (see WARNING)" if problems else "")
-          + (f"; {len(missing)} input(s) still to fetch (see WARNING)" if missing else ""))
+          + (f"; {found.missing} input(s) still to fetch (see WARNING)" if found.missing else ""))
     return 0
 
 
@@ -129,19 +171,10 @@ def train(job: JobConfig, args: argparse.Namespace) -> int:
 def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSignal) -> int:
     if args.smoke and not args.smoke_step_seconds >= 0:  # a bad flag before the data is loaded
         raise ConfigError("--smoke-step-seconds", args.smoke_step_seconds, "must be >= 0")
-    missing = missing_inputs(job)
-    if missing:
-        raise ConfigError(missing[0][0], missing[0][1], "does not exist: " + "; ".join(
-            f"{fix}" if i == 0 else f"also {key} {path}: {fix}" for i, (key, path, fix) in enumerate(missing)))
     placement = launch.detect(os.environ)
-    resolved = resolve(job, placement.world_size)  # layout and data errors before any GPU work
-    launch.check_parallel_layout(placement.num_nodes, placement.local_world_size, job.actor.parallel,
-                                 resolved.rollout_tp)
-    if not args.smoke:  # before the data, the model and the warm-up
-        problems = machine_problems(job)
-        if problems:
-            raise problems[0]
-    data = load_data(job, resolved)
+    found = preflight(job, nodes=placement.num_nodes, per_node=placement.local_world_size, planning=False,
+                      machine=not args.smoke)
+    resolved, data = found.resolved, found.data
     os.environ.update(placement.torch_env())
     launch.apply_env(os.environ, backend_env(job, resolved), launch.BACKEND_DEFAULTS)
     if args.smoke:
@@ -151,8 +184,10 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     import torch.distributed as dist
 
     if not torch.cuda.is_available():
-        raise SystemExit("jetrl train needs CUDA GPUs (jetrl check validates a job without one; "
-                         "jetrl train --smoke tests the launch on CPUs)")
+        # every rank finds the same: one line, from rank 0 (main prints a ConfigError so)
+        raise ConfigError("jetrl train", "no CUDA GPU visible",
+                          "it needs one GPU per process (jetrl check validates a job without one; "
+                          "jetrl train --smoke tests the launch on CPUs)")
     if placement.local_rank >= torch.cuda.device_count():
         raise ConfigError("environment:LOCAL_RANK", placement.local_rank,
                           f"only {torch.cuda.device_count()} GPUs are visible on this node: run one process per GPU "
@@ -189,16 +224,13 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
 
 
 def machine_problems(job: JobConfig) -> list[ConfigError]:
-    """What this machine lacks for the job (a supported vLLM, the math checker): warnings for
+    """What this machine lacks for the job (the math checker, what its engine's ``requirements``
+    name, e.g. a supported vLLM): warnings for
     ``jetrl check``, which may run elsewhere; errors for ``jetrl train``."""
     from megatron_jetrl.data.rewards import require_math_checker
 
     problems = []
-    checks = [lambda: require_math_checker(job.reward)]
-    if job.rollout.engine == "vllm":
-        from megatron_jetrl.rollout.vllm_engine import require_vllm_version
-
-        checks.append(require_vllm_version)
+    checks = [lambda: require_math_checker(job.reward), *engine_kind(job.rollout).requirements(job.rollout.options)]
     for check_one in checks:
         try:
             check_one()
@@ -220,15 +252,13 @@ def check_memory(resolved: Resolved, capacity: float, *, skip: bool) -> list[str
 
 def backend_env(job: JobConfig, resolved: Resolved) -> dict[str, str]:
     """Variables the job's backends read when they are imported, from its precision recipe:
-    Transformer Engine's scale format (te backend) and vLLM's DeepGEMM scale switch (vllm engine)."""
+    Transformer Engine's scale format (te backend) and the engine's ``environment`` (vLLM's DeepGEMM
+    scale switch, its batch-invariant mode for an exact rollout)."""
     layers = resolved.bridge.dims.num_layers
     env: dict[str, str] = {}
     if job.precision.train_fp8 and job.actor.fp8_backend == "te":
         env.update(job.precision.te_settings(layers).env)
-    if job.rollout.engine == "vllm":
-        from megatron_jetrl.rollout.vllm_engine import engine_env
-
-        env.update(engine_env(job.precision, job.rollout.vllm))
+    env.update(engine_kind(job.rollout).environment(job.precision, job.rollout.options))
     return env
 
 
@@ -237,6 +267,7 @@ def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, pree
     import torch.distributed as dist
 
     from megatron_jetrl.launch.smoke import run_smoke
+    from megatron_jetrl.models.hf_checkpoint import CheckpointError
 
     dist.init_process_group("gloo")
     try:
@@ -244,7 +275,11 @@ def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, pree
             print("\n".join(resolved.describe(job)), flush=True)
         return run_smoke(placement, Path(job.run.dir), preemption, steps=job.run.steps, save_every=job.run.save_every,
                          keep_last=job.run.keep_last, parallel=job.actor.parallel, dp_size=resolved.dp,
-                         rollout_tp=resolved.rollout_tp, step_seconds=step_seconds)
+                         rollout_tp=resolved.rollout_tp, step_seconds=step_seconds, resume=job.run.resume)
+    except CheckpointError as e:  # every rank agreed on it (smoke._resume): one line, from rank 0
+        if dist.get_rank() == 0:
+            print(f"checkpoint error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     finally:
         dist.destroy_process_group()
 

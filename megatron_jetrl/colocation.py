@@ -38,7 +38,7 @@ class Colocation:
     def rollout_mode(self) -> None:
         """The engine gets the GPU: weights synced again if a sleep dropped them, the actor
         offloaded (when colocated), the engine awake."""
-        if getattr(self.engine, "weights_discarded", False):
+        if self.engine.weights_discarded:
             self.train_mode()
             self._sync()
         if self.offload_actor and not self._actor_offloaded:

@@ -44,7 +44,7 @@ from megatron_jetrl.rollout import RolloutEngine, SamplingParams, build_engine
 from megatron_jetrl.colocation import Colocation
 from megatron_jetrl.experience import Group, Response, StepRollouts, prompt_major, replica_share, training_batch
 from megatron_jetrl.runtime.atomic import save_json_atomic
-from megatron_jetrl.runtime.checkpoints import RunCheckpoints
+from megatron_jetrl.runtime.run_checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.console import ConsoleView
 from megatron_jetrl.runtime.memory import PhaseMemory
 from megatron_jetrl.runtime.metrics import MetricsLogger

@@ -22,10 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace --out-dir if it exists")
     args = parser.parse_args(argv)
     # imported after the arguments are parsed: --help and argument errors answer at once
-    from megatron_jetrl.actor.checkpoint import save_hf_as_megatron
+    from megatron_jetrl.actor.hf_conversion import save_hf_as_megatron
     from megatron_jetrl.config import ConfigError
     from megatron_jetrl.models import bridge_for
-    from megatron_jetrl.models.hf_checkpoint import CheckpointError, HFCheckpoint, atomic_output_dir
+    from megatron_jetrl.models.hf_checkpoint import CheckpointError, HFCheckpoint, NoSpaceError, atomic_output_dir
 
     try:
         hf = HFCheckpoint(args.hf_dir)
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             save_hf_as_megatron(bridge, hf, tmp, progress=True)
         print(f"wrote {args.out_dir} ({bridge.architecture}, {bridge.dims.num_layers} layers) "
               f"in {time.time() - start:.1f}s")
-    except (CheckpointError, ConfigError, FileExistsError, ValueError) as e:
+    except (CheckpointError, ConfigError, FileExistsError, NoSpaceError, ValueError) as e:
         print(f"convert_hf_to_megatron: error: {e}", file=sys.stderr)
         return 2
     return 0

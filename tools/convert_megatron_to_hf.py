@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convert_megatron_to_hf: error: {problem}", file=sys.stderr)
         return 2
     # imported after the arguments are checked: --help and argument errors answer at once
-    from megatron_jetrl.actor.checkpoint import read_megatron_as_hf
+    from megatron_jetrl.actor.hf_conversion import read_megatron_as_hf
     from megatron_jetrl.config import ConfigError
-    from megatron_jetrl.models.hf_checkpoint import CheckpointError, atomic_output_dir
+    from megatron_jetrl.models.hf_checkpoint import CheckpointError, NoSpaceError, atomic_output_dir
     from megatron_jetrl.precision import Fp8Options, PrecisionRecipe
 
     try:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             read_megatron_as_hf(args.ckpt_dir, tmp, fp8_recipe=recipe,
                                 max_shard_bytes=int(args.max_shard_gb * 2**30), progress=True)
         print(f"wrote {args.out_dir}{' (FP8 block)' if recipe else ''} in {time.time() - start:.1f}s")
-    except (CheckpointError, ConfigError, FileExistsError, ValueError) as e:
+    except (CheckpointError, ConfigError, FileExistsError, NoSpaceError, ValueError) as e:
         print(f"convert_megatron_to_hf: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,4 +1,5 @@
-"""Actor checkpoints: model + optimizer + scheduler as one megatron-core distributed checkpoint.
+"""The actor's state: model + optimizer + scheduler as one megatron-core distributed checkpoint
+(inside a run checkpoint, ``runtime/run_checkpoints.py``; weight conversion is ``hf_conversion.py``).
 
 - The model part is GPTModel's own ``sharded_state_dict()``, the same keys the conversion tools
   write and read, so ``tools/convert_megatron_to_hf.py`` exports an actor checkpoint directly.
@@ -24,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 
-from megatron_jetrl.actor.checkpoint import HF_DIR, check_checkpoint_shapes
+from megatron_jetrl.actor.hf_conversion import HF_DIR, check_checkpoint_shapes
 from megatron_jetrl.actor.model import use_fused_torch_adam
 from megatron_jetrl.models.hf_checkpoint import CheckpointError
 
@@ -68,14 +69,14 @@ def save_actor(actor: CheckpointedActor, directory: Path, *, extra: dict) -> Non
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        (tmp / HF_DIR).mkdir()
-        (tmp / HF_DIR / "config.json").write_text(json.dumps(actor.bridge.hf_config, indent=2) + "\n")
+        tmp.mkdir(parents=True)  # empty: megatron warns of an "incomplete checkpoint" otherwise
     dist.barrier()
     state = _sharded_state(actor, is_loading=False, model_only=False, extra=extra)
     dist_checkpointing.save(state, str(tmp), validate_access_integrity=True)
     dist.barrier()
     if rank == 0:
+        (tmp / HF_DIR).mkdir()
+        (tmp / HF_DIR / "config.json").write_text(json.dumps(actor.bridge.hf_config, indent=2) + "\n")
         (tmp / STATE_FILE).write_text(json.dumps({"steps": actor.steps, "format": 1}) + "\n")
         old = directory.with_name(f"{directory.name}.old")
         if directory.exists():

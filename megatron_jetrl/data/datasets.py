@@ -3,6 +3,8 @@
 RL prompt sets are small (thousands to tens of thousands of prompts), so every prompt is rendered
 and tokenized eagerly: a bad record or a template problem fails at start-up, not at step 900.
 Prompts longer than ``max_prompt_tokens`` are dropped at load, counted in ``dropped`` and logged.
+An empty prompt (or one that tokenizes to nothing) is refused at load, naming its file and line: no
+engine can generate from it, so it would otherwise stop the run at its batch on every resume.
 """
 
 from __future__ import annotations
@@ -92,19 +94,25 @@ class PromptDataset:
         if not path.is_file():
             raise ConfigError(f"{key}.path", settings.path, "no such file")
         suffix = path.suffix.lower()
+        lines = None
         if suffix in JSONL_SUFFIXES:
-            records = _read_jsonl(path, key)
+            lines, records = _read_jsonl(path, key)
         elif suffix in PARQUET_SUFFIXES:
             records = _read_parquet(path, key)
         else:
             raise ConfigError(f"{key}.path", settings.path, f"unknown file type {suffix!r}; use JSON lines "
                               f"{JSONL_SUFFIXES} or Parquet {PARQUET_SUFFIXES}")
-        return cls.from_records(records, tokenizer, settings, key, source=str(path))
+        return cls.from_records(records, tokenizer, settings, key, source=str(path), lines=lines)
 
     @classmethod
     def from_records(cls, records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, settings: DatasetSettings,
-                     key: str, *, source: str = "<records>") -> "PromptDataset":
-        """Renders and tokenizes ``records`` (record n is 1-based in error messages)."""
+                     key: str, *, source: str = "<records>", lines: Optional[Sequence[int]] = None
+                     ) -> "PromptDataset":
+        """Renders and tokenizes ``records`` (record n is 1-based in error messages, which also name
+        its line of the file when ``lines`` gives them). Raises ConfigError for a record without
+        the fields, with an empty prompt or one that tokenizes to no tokens."""
+        if lines is not None and len(lines) != len(records):
+            raise ValueError(f"{len(lines)} line numbers for {len(records)} records")
         if not records:
             raise ConfigError(f"{key}.path" if settings.synthetic is None else f"{key}.synthetic.size",
                               source, "holds no records")
@@ -116,7 +124,7 @@ class PromptDataset:
         kept: list[Mapping[str, Any]] = []
         dropped = 0
         for n, record in enumerate(records, 1):
-            where = f"record {n} of {source}"
+            where = f"record {n} of {source}" + ("" if lines is None else f" (line {lines[n - 1]})")
             raw = _field(record, settings.prompt_key)
             if raw is _MISSING:
                 raise ConfigError(f"{key}.prompt_key", settings.prompt_key, _missing(where, record, "prompt"))
@@ -124,11 +132,19 @@ class PromptDataset:
             if answer is _MISSING:
                 raise ConfigError(f"{key}.answer_key", settings.answer_key, _missing(where, record, "answer"))
             text = _prompt_text(raw, where, f"{key}.prompt_key", settings.prompt_key)
+            if not text.strip():
+                raise ConfigError(f"{key}.prompt_key", settings.prompt_key,
+                                  f"{where}: the prompt is {'only whitespace' if text else 'empty'}; remove the "
+                                  "record or give it a prompt")
             try:
                 ids = render_prompt(tokenizer, raw, system_prompt=settings.system_prompt,
                                     chat_template=settings.chat_template)
             except ValueError as e:
                 raise ConfigError(f"{key}.chat_template", settings.chat_template, f"{where}: {e}") from None
+            if not ids:
+                raise ConfigError(f"{key}.prompt_key", settings.prompt_key,
+                                  f"{where}: the prompt {text[:40]!r} tokenizes to no tokens; remove the record, "
+                                  "or check that model.tokenizer is the model's tokenizer")
             if len(ids) > settings.max_prompt_tokens:
                 dropped += 1
                 continue
@@ -174,8 +190,9 @@ def _prompt_text(raw: Any, where: str, key: str, name: str) -> str:
     return users[-1] if users else raw[-1]["content"]
 
 
-def _read_jsonl(path: Path, key: str) -> list[dict]:
-    records = []
+def _read_jsonl(path: Path, key: str) -> tuple[list[int], list[dict]]:
+    """The file's line number of each record (blank lines are skipped) and the records."""
+    lines, records = [], []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -192,8 +209,9 @@ def _read_jsonl(path: Path, key: str) -> list[dict]:
                                   f"must hold one JSON object per line") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{key}.path", where, f"the line holds a JSON {type(record).__name__}, not an object")
+            lines.append(lineno)
             records.append(record)
-    return records
+    return lines, records
 
 
 def _read_parquet(path: Path, key: str) -> list[dict]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -31,6 +33,7 @@ from megatron_jetrl.config import ConfigError, apply_overrides, build, check_int
 from megatron_jetrl.data.settings import DataSettings, RewardSettings
 from megatron_jetrl.models import ModelBridge, bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
+from megatron_jetrl.rollout.engines import ENGINES, engine_kind
 from megatron_jetrl.rollout.settings import RolloutSettings
 from megatron_jetrl.runtime.metrics import LogSettings
 
@@ -68,6 +71,36 @@ class RunSettings:
             check_integer(f"run.profile_steps[{i}]", step, minimum=1)
             if step > self.steps:
                 raise ConfigError(f"run.profile_steps[{i}]", step, f"is after the last step (run.steps={self.steps})")
+
+    def check_dir(self) -> None:
+        """``dir`` is a directory this process can write, or can be created: its nearest existing
+        ancestor is a writable directory. Otherwise a ConfigError on ``run.dir`` (``jetrl check`` and
+        ``jetrl train`` call this before any GPU work: a run dir that cannot be written would fail
+        at the first save). Leaves nothing behind: a missing ``dir`` is not created, and the probe
+        file that tests writing (permissions alone miss read-only mounts, ACLs and root squash) is
+        removed again."""
+        path = Path(self.dir).expanduser().absolute()
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        if existing == path and not path.is_dir():
+            what = "a broken symbolic link" if not path.exists() else "a file, not a directory"
+            raise ConfigError("run.dir", self.dir, f"is {what}; set run.dir to a directory (a new one is created)")
+        if existing == path:
+            wrong, fix = "is not writable", "make it writable, or set run.dir to a writable directory"
+        elif not existing.is_dir():
+            what = "a broken symbolic link" if not existing.exists() else "a file"
+            raise ConfigError("run.dir", self.dir, f"cannot be created: {existing} is {what}; set run.dir to a path "
+                              "under a directory")
+        else:
+            wrong = f"does not exist and cannot be created: {existing} is not writable"
+            fix = f"create {path} (writable by this user), or set run.dir under a writable directory"
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError("run.dir", self.dir, f"{wrong} by this user; {fix}")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".jetrl-write-probe-", dir=existing)
+        except OSError as e:
+            raise ConfigError("run.dir", self.dir, f"{wrong} ({e.strerror}); {fix}") from None
+        os.close(fd)
+        os.unlink(probe)
 
 
 def _config_json(value: str) -> Path:
@@ -234,9 +267,9 @@ def _check_together(job: JobConfig) -> None:
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
     if job.precision.exact:
         _check_exact(job)
-    limit = job.rollout.vllm.max_model_len
-    if job.rollout.engine == "vllm" and limit is not None and limit < job.longest_sequence:
-        raise ConfigError("rollout.vllm.max_model_len", limit,
+    limit = job.rollout.options.context_limit
+    if limit is not None and limit < job.longest_sequence:
+        raise ConfigError(f"rollout.{job.rollout.engine}.max_model_len", limit,
                           f"must hold the longest prompt + response ({job.longest_sequence} tokens: "
                           "data max_prompt_tokens + rollout.sampling.max_new_tokens); leave it unset to use that")
 
@@ -246,8 +279,9 @@ def _check_exact(job: JobConfig) -> None:
     sides compute alike, and the kernels the exact forward is made of (``ops/exact.py``)."""
     par, vllm = job.actor.parallel, job.rollout.vllm
     need = [
-        ("rollout.engine", job.rollout.engine, job.rollout.engine == "vllm",
-         "the exact forward is vLLM's batch-invariant mode plus the trainer's kernels: set rollout.engine=vllm"),
+        ("rollout.engine", job.rollout.engine, engine_kind(job.rollout).exact,
+         "the exact forward is vLLM's batch-invariant mode plus the trainer's kernels: set rollout.engine="
+         + " or ".join(name for name, kind in ENGINES.items() if kind.exact)),
         ("actor.fp8_backend", job.actor.fp8_backend, job.actor.fp8_backend == "native" or not job.precision.train_fp8,
          "Transformer Engine's layers compute with TE's kernels, not the engine's: set actor.fp8_backend=native"),
         ("actor.parallel.tp", par.tp, par.tp == 1,
@@ -326,18 +360,17 @@ def resolve(job: JobConfig, world_size: int, hf_config: Optional[dict[str, Any]]
     if world_size % rollout_tp:
         raise ConfigError("rollout.vllm.tensor_parallel_size", rollout_tp,
                           f"must divide the world size ({world_size} processes)")
-    longest = job.data.train.max_prompt_tokens + job.rollout.sampling.max_new_tokens
+    longest = job.longest_sequence
     limit = job.actor.max_seq_len or bridge.dims.max_position_embeddings
     if longest > limit:
         raise ConfigError("rollout.sampling.max_new_tokens", job.rollout.sampling.max_new_tokens,
-                          f"data.train.max_prompt_tokens ({job.data.train.max_prompt_tokens}) + max_new_tokens = "
-                          f"{longest} exceeds the model's sequence limit ({limit}; actor.max_seq_len / "
-                          "max_position_embeddings)")
+                          f"the longest prompt (data max_prompt_tokens) + max_new_tokens = {longest} exceeds the "
+                          f"model's sequence limit ({limit}; actor.max_seq_len / max_position_embeddings)")
     if job.data.prompts_per_step * job.algo.group_size < dp:
         raise ConfigError("data.prompts_per_step", job.data.prompts_per_step,
                           f"prompts_per_step x algo.group_size must give every one of the {dp} data-parallel "
                           "ranks at least one response")
-    memory = estimate_memory(bridge, job.actor, job.rollout, job.data, world_size)
+    memory = estimate_memory(bridge, job.actor, job.rollout, longest, world_size)
     return Resolved(bridge=bridge, hf_config=hf_config, world_size=world_size, dp=dp, rollout_tp=rollout_tp,
                     rollout_replicas=world_size // rollout_tp, memory=memory)
 
@@ -396,9 +429,11 @@ class Resolved:
             f"world        {self.world_size} processes",
             f"trainer      TP={par.tp} PP={par.pp} DP={self.dp}" + (" +SP" if par.sequence_parallel else "")
             + f", {job.actor.max_tokens_per_microbatch} tokens/micro-batch, recompute {job.actor.recompute}",
-            f"rollout      engine {job.rollout.engine}, TP={self.rollout_tp}, {self.rollout_replicas} replicas",
+            f"rollout      engine {job.rollout.engine}, TP={self.rollout_tp}, {self.rollout_replicas} replicas, "
+            + ("weights written in place" if job.rollout.options.in_place_weights else "weights through its loaders"),
             f"batch        {job.data.prompts_per_step} prompts x {job.algo.group_size} samples, "
-            f"<= {job.data.train.max_prompt_tokens} + {job.rollout.sampling.max_new_tokens} tokens",
+            f"<= {job.data.train.max_prompt_tokens} + {job.rollout.sampling.max_new_tokens} tokens"
+            + (f" (eval prompts <= {job.data.eval.max_prompt_tokens})" if job.data.eval is not None else ""),
             f"memory/GPU   (estimate, GiB{f'; GPU {gpu_bytes / 2**30:.1f} GiB' if gpu_bytes else ''})",
         ]
         lines += [f"  {name:<28} {gib:8.2f}" for name, gib in self.memory.rows(gpu_bytes)]

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.config import ConfigError
-from megatron_jetrl.data.settings import DataSettings
 from megatron_jetrl.models import ModelBridge
 from megatron_jetrl.rollout.settings import RolloutSettings
 
@@ -129,7 +128,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutSettings,
-                    data: DataSettings, world_size: int) -> MemoryEstimate:
+                    longest_sequence: int, world_size: int) -> MemoryEstimate:
     d = bridge.dims
     par = actor.parallel
     dp = actor.data_parallel_size(world_size)
@@ -153,8 +152,7 @@ def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutS
     local = (per_layer * layers + edges) / par.tp
     local_linear = per_layer_linear * layers / par.tp
 
-    longest = data.train.max_prompt_tokens + rollout.sampling.max_new_tokens
-    tokens = max(actor.max_tokens_per_microbatch, longest)
+    tokens = max(actor.max_tokens_per_microbatch, longest_sequence)
     h = d.hidden_size
     full_layer = tokens * h * (34 / par.tp if par.sequence_parallel else 10 + 24 / par.tp)
     if actor.recompute == "full":
@@ -164,11 +162,7 @@ def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutS
     activations = stage * par.pp + tokens * bridge.padded_vocab_size(par.tp) / par.tp * 8
 
     rollout_bytes = linear * (1 if actor.precision.rollout_fp8 else 2) + (total - linear) * 2
-    kv_cache, vllm_share = 0.0, None
-    if rollout.engine == "hf":
-        kv_cache = float(rollout.hf.max_batch_tokens * d.num_layers * 2 * d.num_groups * d.head_dim * 2)
-    else:
-        vllm_share = rollout.vllm.gpu_memory_utilization
+    kv_cache, vllm_share = rollout.options.memory(d)
     return MemoryEstimate(
         total_params=total,
         trainer_weights=local * 2,

@@ -6,7 +6,10 @@ torchrun workers), they rendezvous (gloo), each knows its node, GPU slot and TP/
 and over every TP, DP and PP group give the expected sums, and a stop signal (SIGTERM, SIGUSR1)
 leads to a checkpoint on every rank and exit status 75, after which the same command resumes from
 that checkpoint. The step itself is a sleep of ``step_seconds``; checkpoints hold only the step and
-go under ``run.dir/smoke/`` so that they never mix with a real run's.
+go under ``run.dir/smoke/`` so that they never mix with a real run's. Starting and resuming follow
+the trainer's rules (``Trainer._start``, ``Trainer._resume``): ``run.resume=false`` refuses a run
+dir that has smoke checkpoints, and a checkpoint that cannot be read is named and the one before
+it tried.
 
 The job's config has already been checked (``job.resolve``, ``job.load_data``) by the time this
 runs, the same checks ``jetrl train`` makes before any GPU work.
@@ -24,9 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_jetrl.config import ConfigError
 from megatron_jetrl.launch.placement import Placement
 from megatron_jetrl.models import ParallelLayout
-from megatron_jetrl.runtime.checkpoints import RunCheckpoints
+from megatron_jetrl.models.hf_checkpoint import CheckpointError
+from megatron_jetrl.runtime.run_checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.signals import EXIT_PREEMPTED, PreemptionSignal, any_rank
 from megatron_jetrl.sync.plan import train_rank
 
@@ -57,9 +62,12 @@ def groups(parallel: ParallelLayout, dp_size: int) -> dict[str, list[list[int]]]
 
 
 def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal, *, steps: int, save_every: int,
-              keep_last: int, parallel: ParallelLayout, dp_size: int, rollout_tp: int, step_seconds: float) -> int:
+              keep_last: int, parallel: ParallelLayout, dp_size: int, rollout_tp: int, step_seconds: float,
+              resume: bool) -> int:
     """The smoke job on an initialised gloo process group, with the launcher's signal handlers
-    ``preemption`` (entered); returns the exit status."""
+    ``preemption`` (entered); returns the exit status. Raises ConfigError on ``run.resume`` when
+    ``resume`` is false and the run dir has smoke checkpoints, CheckpointError when it has some
+    but none can be read (on every rank alike)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     coords = coordinates(rank, parallel, dp_size)
@@ -78,11 +86,11 @@ def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal,
                for kind, ranks in layout.items()}
     checkpoints = RunCheckpoints(run_dir / "smoke", keep_last, rank, world, barrier=dist.barrier)
     checkpoints.clean_stale()
-    step = 0
     latest = checkpoints.latest()
-    if latest is not None:
-        step = json.loads((latest / "state.json").read_text())["step"]
-        say(f"smoke: resumed from {latest} (step {step})", flush=True)
+    if latest is not None and not resume:
+        raise ConfigError("run.resume", False, f"{run_dir / 'smoke'} has checkpoints ({latest.name}); "
+                          "use a new run.dir, or run.resume=true to continue")
+    step = 0 if latest is None else _resume(checkpoints, say)
 
     while step < steps:
         step += 1
@@ -103,6 +111,29 @@ def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal,
             return EXIT_PREEMPTED
     say(f"smoke: done, {steps} steps", flush=True)
     return 0
+
+
+def _resume(checkpoints: RunCheckpoints, say) -> int:
+    """The step of the newest checkpoint whose ``state.json`` every rank can read; one that cannot
+    be read (missing, not UTF-8, not JSON, another step) is named and the one before it tried."""
+    problems = []
+    for checkpoint in checkpoints.candidates():
+        path = checkpoint / "state.json"
+        step = checkpoints.step_of(checkpoint)
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+            if not (isinstance(state, dict) and type(state.get("step")) is int and state["step"] == step):
+                raise ValueError(f"holds {str(state)[:80]}, not {{'step': {step}}}")
+            problem = None
+        except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if not any_rank(problem is not None):  # gloo: reduced on the CPU
+            say(f"smoke: resumed from {checkpoint} (step {step})", flush=True)
+            return step
+        problems.append(f"{path}: {problem or 'unreadable on another rank'}")
+        say(f"smoke: WARNING: {problems[-1]}; trying the checkpoint before it", flush=True)
+    raise CheckpointError(f"no checkpoint in {checkpoints.root} can be read ({'; '.join(problems)}); "
+                          "move the broken ones away, or start over in a new run.dir")
 
 
 def _check_table(table: list[dict], tp_groups: list[list[int]]) -> None:

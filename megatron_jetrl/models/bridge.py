@@ -83,6 +83,8 @@ class ModelBridge:
 
     architecture: ClassVar[str]
     model_type: ClassVar[str]
+    hf_norm: ClassVar[str]
+    """The family's RMSNorm class name in transformers' ``modeling_<model_type>``."""
 
     def __init__(self, hf_config: Mapping[str, Any]):
         self.hf_config = dict(hf_config)
@@ -95,11 +97,22 @@ class ModelBridge:
                 raise ConfigError(f"config.json:{key}", None, f"required for {self.architecture}")
             return c[key]
 
+        def dim(key: str, default: int | None = None) -> int:
+            """A size: a positive integer; ``default`` when unset (no default: required)."""
+            value = c.get(key)
+            if value is None:
+                value = need(key) if default is None else default
+            return _positive_int(f"config.json:{key}", value)
+
         if c.get("use_sliding_window"):
             raise ConfigError("config.json:use_sliding_window", True, "sliding-window attention is not supported")
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        groups = int(c.get("num_key_value_heads") or heads)
-        head_dim = int(c.get("head_dim") or hidden // heads)
+        hidden, heads = dim("hidden_size"), dim("num_attention_heads")
+        groups = dim("num_key_value_heads", heads)
+        if c.get("head_dim") is None and hidden < heads:
+            raise ConfigError("config.json:num_attention_heads", heads,
+                              f"must be at most hidden_size ({hidden}) when head_dim is not set (head_dim = "
+                              "hidden_size // num_attention_heads); set head_dim, or fix the two sizes")
+        head_dim = dim("head_dim", hidden // heads)
         if heads % groups:
             raise ConfigError("config.json:num_key_value_heads", groups, f"must divide num_attention_heads ({heads})")
         rope = c.get("rope_parameters") or {}
@@ -110,14 +123,14 @@ class ModelBridge:
         scaling = c.get("rope_scaling") or (rope if rope_type != "default" else None)
         return ModelDims(
             architecture=self.architecture,
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=dim("num_hidden_layers"),
             hidden_size=hidden,
-            ffn_hidden_size=int(need("intermediate_size")),
+            ffn_hidden_size=dim("intermediate_size"),
             num_heads=heads,
             num_groups=groups,
             head_dim=head_dim,
-            vocab_size=int(need("vocab_size")),
-            max_position_embeddings=int(c.get("max_position_embeddings") or 4096),
+            vocab_size=dim("vocab_size"),
+            max_position_embeddings=dim("max_position_embeddings", 4096),
             rope_theta=float(theta),
             rope_scaling_factor=self._rope_scaling_factor(scaling),
             norm_eps=float(c.get("rms_norm_eps") or 1e-6),
@@ -365,6 +378,16 @@ class ModelBridge:
         if spec.fuse == VOCAB:
             full = layout.pad_rows(full, self.padded_vocab_size(size))
         return layout.tp_chunk(full, spec.tp_dim, rank, size)
+
+
+def _positive_int(key: str, value: Any) -> int:
+    """``value`` when it is an integer >= 1 (an integral float too: JSON writers differ); else a
+    ConfigError naming ``key``. Sizes of 0 or less build no model (or a silently empty one)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, value, "must be a positive integer")
+    return value
 
 
 def _layer_modules(spec: TensorSpec) -> list[str]:

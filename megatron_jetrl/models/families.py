@@ -1,4 +1,8 @@
-"""The supported architecture families: what each reads differently from its config."""
+"""The supported architecture families: what each reads differently from its config.
+
+``hf_norm`` names the family's RMSNorm class in transformers' ``modeling_<model_type>`` module (a
+string: models/ does not import transformers); the hf rollout engine swaps those norms for torch's.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ class LlamaBridge(ModelBridge):
 
     architecture = "LlamaForCausalLM"
     model_type = "llama"
+    hf_norm = "LlamaRMSNorm"
 
     def _read_dims(self, c: dict):
         if c.get("mlp_bias"):
@@ -40,6 +45,7 @@ class Qwen2Bridge(ModelBridge):
 
     architecture = "Qwen2ForCausalLM"
     model_type = "qwen2"
+    hf_norm = "Qwen2RMSNorm"
 
     def _qkv_bias(self, c: dict) -> bool:
         return True
@@ -50,6 +56,7 @@ class Qwen3Bridge(ModelBridge):
 
     architecture = "Qwen3ForCausalLM"
     model_type = "qwen3"
+    hf_norm = "Qwen3RMSNorm"
 
     def _qk_norm(self, c: dict) -> bool:
         return True

@@ -10,9 +10,11 @@ output only when complete.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -42,7 +44,9 @@ class CheckpointError(ValueError):
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+"""safetensors dtype codes this reader reads; which of them a tensor may have is the caller's check."""
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -105,7 +109,8 @@ class SafetensorsFile:
         """Tensor ``name``, or only its rows [r0, r1) (rows are contiguous in a row-major file)."""
         h = self.header[name]
         if h["dtype"] not in _DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {h['dtype']}")
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {h['dtype']}, which this reader does not "
+                                  f"read (it reads {', '.join(_DTYPES)})")
         dtype, shape = _DTYPES[h["dtype"]], list(h["shape"])
         begin, end = h["data_offsets"]
         if rows is not None:
@@ -176,7 +181,8 @@ class HFCheckpoint:
         """From the safetensors header; reads no data."""
         code = self._file(name).header[name]["dtype"]
         if code not in _DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {code}")
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {code}, which this reader does not read "
+                                  f"(it reads {', '.join(_DTYPES)})")
         return _DTYPES[code]
 
     def copy_side_files(self, out: Path) -> list[str]:
@@ -194,7 +200,8 @@ class StreamingSafetensorsWriter:
     planned up front, so each tensor's bytes go to disk as it arrives and nothing is buffered.
 
     The plan is split into shards of at most ``max_shard_bytes`` in order; each shard's header is
-    written when its first tensor arrives. ``add`` must follow the plan's order.
+    written when its first tensor arrives. ``add`` must follow the plan's order. Use it in a
+    ``with`` block, which closes the open shard however the block ends.
     """
 
     def __init__(self, directory: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -221,6 +228,14 @@ class StreamingSafetensorsWriter:
         self._next = 0
         self._shard = -1
         self._stream = None
+
+    def __enter__(self) -> "StreamingSafetensorsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Closes the open shard, on an error too: a partial shard removed while still open keeps
+        its disk space (on a full disk, the space the error message reports as free)."""
+        self._close()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self.plan):
@@ -279,10 +294,58 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 _OWNER = ".owner"
-"""In a temporary output directory: ``host pid`` of the process writing it."""
+"""In a temporary output directory: ``host pid`` of the process writing it; removed once the
+directory is complete, just before the swap."""
+
+
+class NoSpaceError(OSError):
+    """Writing an output ran out of disk space or quota; the message names the output, what was
+    written and what is free, and the fix. ``atomic_output_dir`` raises it in place of the error
+    the writer hit, which often hides the errno: torch.save reports a full disk as a zip-position
+    mismatch, torch.distributed.checkpoint wraps it in a multi-traceback CheckpointException."""
+
+
+def _space_errno(error: BaseException) -> int | None:
+    """ENOSPC or EDQUOT if ``error`` is, or was raised while handling, an OSError with that errno."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e.errno
+        stack += [e.__cause__, e.__context__]
+    return None
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _no_space(out: Path, code: int, written: int) -> NoSpaceError:
+    free = shutil.disk_usage(out.parent).free
+    what = "no space left on device" if code == errno.ENOSPC else "disk quota exceeded"
+    fix = "free space" if code == errno.ENOSPC else "free space within your quota"
+    return NoSpaceError(f"{what} while writing {out} ({_size(written)} written, now removed; {_size(free)} free at "
+                        f"{out.parent}): {fix} or choose another --out-dir")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():  # a directory named after this process is a dead namesake's: nothing made it yet
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -292,24 +355,64 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_outputs(out: Path) -> list[Path]:
-    """Remove ``.NAME.tmp-PID`` / ``.NAME.old-PID`` directories next to ``out`` left by a writer on
-    this host that no longer runs (a conversion killed before it could clean up); returns them.
-    Directories of live writers, or of writers on other hosts, are left alone."""
-    removed = []
+def recover_stale_outputs(out: Path) -> list[str]:
+    """Clean up after writers of ``out`` that were killed (no cleanup ran); returns one line per
+    action, and per directory left alone, for the user.
+
+    ``atomic_output_dir`` keeps two invariants: a ``.NAME.tmp-PID`` directory is disposable (a
+    partial output, a finished one not yet swapped in, or the previous output being deleted after
+    the swap), and a ``.NAME.old-PID`` directory is the complete previous output, moved aside for
+    the moment between the two renames of the swap. So for a writer on this host that no longer
+    runs: its ``.tmp-PID`` is removed; its ``.old-PID`` is removed if ``out`` exists (the swap
+    finished) and renamed back to ``out`` if not (the swap was cut in half: the killed run never
+    took effect). Directories of live writers, or of writers on other hosts (whose processes this
+    host cannot check; the ``.owner`` file names the host), are named with the command that
+    removes them, and left alone.
+    """
+    if not out.parent.is_dir():
+        return []
     host = socket.gethostname()
+    by_pid: dict[int, dict[str, Path]] = {}
     for kind in ("tmp", "old"):
         for path in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
             pid_text = path.name.rpartition("-")[2]
-            if not (path.is_dir() and pid_text.isdigit()):
-                continue
-            owner = (path / _OWNER).read_text().split() if (path / _OWNER).is_file() else []
-            owner_host = owner[0] if owner else host
-            # an .old- directory is the previous output until the new one took its place
-            if owner_host == host and not _pid_alive(int(pid_text)) and (kind == "tmp" or out.exists()):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
+            if path.is_dir() and not path.is_symlink() and pid_text.isdigit():
+                by_pid.setdefault(int(pid_text), {})[kind] = path
+    lines = []
+    for pid, paths in sorted(by_pid.items()):
+        tmp, old = paths.get("tmp"), paths.get("old")
+        owner = _read_owner(tmp) if tmp is not None else None
+        owner_host = owner or host  # none yet, or removed before the swap: written on this host
+        if owner_host != host or _pid_alive(pid):
+            writer = (f"process {pid} on this host, which is running" if owner_host == host else
+                      f"process {pid} on host {owner_host}, which this host cannot check")
+            for path in paths.values():
+                lines.append(f"note: left {path} alone: it was written by {writer}; if that is no conversion "
+                             f"writing {out} now, remove it: rm -rf {shlex.quote(str(path))}")
+            continue
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lines.append(f"removed {tmp}, the partial output of a conversion that was killed (pid {pid})")
+        if old is None:
+            continue
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            lines.append(f"removed {old}, the previous output, which a conversion killed after replacing it "
+                         f"(pid {pid}) had not yet deleted")
+        else:
+            os.replace(old, out)
+            lines.append(f"restored {out} from {old}: a conversion replacing it (pid {pid}) was killed between "
+                         "moving it aside and moving the new output in, so the previous output stands")
+    return lines
+
+
+def _read_owner(directory: Path) -> str | None:
+    """The host named in ``directory``'s owner file; None when it has none (or an unreadable one)."""
+    try:
+        fields = (directory / _OWNER).read_text().split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return fields[0] if fields else None
 
 
 def check_output_dir(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
@@ -330,33 +433,57 @@ def check_output_dir(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ..
 @contextmanager
 def atomic_output_dir(out: str | os.PathLike, *, force: bool,
                       inputs: tuple[str | os.PathLike, ...] = ()) -> Iterator[Path]:
-    """A temporary directory next to ``out`` that becomes ``out`` only if the block succeeds.
+    """A temporary directory ``.NAME.tmp-PID`` next to ``out`` that becomes ``out`` only if the block
+    succeeds.
 
-    Refuses an ``out`` that is the working directory or an input (``check_output_dir``), and an
-    existing ``out`` unless ``force``; then the old directory is replaced only after the new one is
-    complete. On any error the temporary directory is removed and ``out`` is untouched; one left
-    by a killed writer is removed by the next run (``remove_stale_outputs``).
+    Refuses an ``out`` that is the working directory or an input (``check_output_dir``). Before
+    anything else, what killed writers left next to ``out`` is cleaned up and reported
+    (``recover_stale_outputs``), so a run that then refuses leaves no hidden partial directory
+    behind, and a swap cut in half is rolled back: ``out`` is the previous complete output again
+    (back, not forward: nothing then replaces an output without this run's ``force``, and the
+    user sees the state the killed run started from). Then an existing ``out`` is refused unless
+    ``force`` ("pass --force to replace it").
+
+    With ``force``, the old ``out`` is replaced only after the new one is complete: ``out`` is
+    renamed to ``.NAME.old-PID``, the new directory to ``out``, and the old one to ``.NAME.tmp-PID``
+    before it is deleted, so an ``.old-`` directory always holds a complete output and a ``.tmp-``
+    one never needs keeping. On any error the temporary directory is removed and ``out`` is
+    untouched; a full disk or quota (ENOSPC, EDQUOT, also when wrapped or hidden by the writer)
+    becomes a ``NoSpaceError`` naming the output, the bytes written and the space left.
     """
     out = check_output_dir(out, inputs)
+    for line in recover_stale_outputs(out):
+        print(line, file=sys.stderr)
     if out.exists() and not force:
         raise FileExistsError(f"output {out} already exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in remove_stale_outputs(out):
-        print(f"removed {stale}, the partial output of a conversion that was killed", file=sys.stderr)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    (tmp / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        (tmp / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         yield tmp
+        if out.exists() and not force:
+            raise FileExistsError(f"output {out} appeared while converting (another conversion?); it was left "
+                                  "as it is: pass --force to replace it")
+        (tmp / _OWNER).unlink()
+    except BaseException as e:
+        written = _tree_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        code = _space_errno(e)
+        if code is not None:
+            raise _no_space(out, code, written) from e
+        raise
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    replacing = out.exists()
+    if replacing:
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
     except BaseException:
+        if replacing:
+            os.replace(old, out)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    (tmp / _OWNER).unlink()
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old.exists():
-        shutil.rmtree(old)
+    if replacing:
+        os.replace(old, tmp)
+        shutil.rmtree(tmp)

@@ -1,10 +1,10 @@
-"""Rollout engines behind one interface (``base.RolloutEngine``): ``hf`` here; the vLLM engine is
-imported from ``megatron_jetrl.rollout.vllm_engine`` where vLLM is installed.
+"""Rollout engines behind one interface (``base.RolloutEngine``), listed in one table
+(``engines.ENGINES``): ``hf`` (``rollout/hf.py``) and ``vllm`` (``rollout/vllm_engine.py``, where vLLM
+is installed).
 
 ``HfEngine`` (which imports transformers) loads when first used, so the settings and the interface
 import quickly for config validation."""
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -19,25 +19,17 @@ from megatron_jetrl.rollout.base import (
     WeightMismatch,
     check_against_specs,
 )
-from megatron_jetrl.rollout.settings import ENGINES, HfOptions, RolloutSettings
+from megatron_jetrl.rollout.engines import ENGINES, EngineKind, engine_kind
+from megatron_jetrl.rollout.settings import HfOptions, RolloutSettings, VllmOptions
 
 
 def build_engine(settings: RolloutSettings, recipe: PrecisionRecipe, hf_config: dict[str, Any], *,
                  device: torch.device, max_model_len: int) -> RolloutEngine:
-    """The engine ``settings.engine`` names, with its typed options (``rollout.hf`` /
-    ``rollout.vllm``): the policy's HF config and precision recipe; ``max_model_len`` (the job's
-    longest prompt + response) is vLLM's default context length. The engine's weights come from
-    the weight sync."""
-    if settings.engine == "hf":
-        from megatron_jetrl.rollout.hf import HfEngine
-
-        return HfEngine(hf_config, recipe, settings.hf, device=device)
-    from megatron_jetrl.rollout.vllm_engine import VllmEngine
-
-    options = settings.vllm
-    if options.max_model_len is None:
-        options = dataclasses.replace(options, max_model_len=max_model_len)
-    return VllmEngine(hf_config, recipe, options)
+    """The engine ``settings.engine`` names (its ``ENGINES`` entry's factory), with its own options
+    section: the policy's HF config and precision recipe; ``max_model_len`` (the job's longest prompt
+    + response) is the default context length of an engine that takes one. The engine's weights come
+    from the weight sync."""
+    return engine_kind(settings).build(settings.options, recipe, hf_config, device=device, max_model_len=max_model_len)
 
 
 def __getattr__(name: str):
@@ -50,6 +42,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ENGINES",
+    "EngineKind",
     "FinishReason",
     "HfEngine",
     "HfOptions",
@@ -58,7 +51,9 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "TensorMeta",
+    "VllmOptions",
     "WeightMismatch",
     "build_engine",
+    "engine_kind",
     "check_against_specs",
 ]

@@ -100,14 +100,19 @@ class RolloutEngine(Protocol):
         engine retakes its weight memory first (not the KV cache)."""
         ...
 
-    # Optional, for in-process engines whose tensors are plain contiguous buffers:
-    #   def weight_buffers(self) -> dict[str, torch.Tensor]
-    # the engine's own tensors (a subset of weight_specs() names), which the weight sync then
-    # writes in place instead of handing over copies through update_weights.
-    # And, for engines whose sleep may drop the weights:
-    #   weights_discarded: bool  (property)
-    # True when a sleep dropped them since the last full update: the next generate needs every
-    # tensor of weight_specs() again (the trainer then syncs before it wakes the engine).
+    def weight_buffers(self) -> dict[str, torch.Tensor]:
+        """The engine's own tensors (a subset of ``weight_specs()`` names, plain contiguous buffers)
+        that the weight sync writes in place instead of handing copies to ``update_weights``; empty
+        for an engine that only takes handed-over tensors. The caller writes every returned tensor
+        before the next ``generate``."""
+        ...
+
+    @property
+    def weights_discarded(self) -> bool:
+        """True when a sleep dropped the weights since the last full update: the next ``generate``
+        needs every tensor of ``weight_specs()`` again (the trainer then syncs before it wakes the
+        engine). Always False for an engine whose sleep keeps them."""
+        ...
 
     def sleep(self) -> None:
         """Release GPU memory (KV cache dropped; weights kept off-GPU or dropped until the next

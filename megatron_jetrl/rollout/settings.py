@@ -1,4 +1,7 @@
-"""The ``rollout`` section of a job: which engine, how it samples, and its own options.
+"""The ``rollout`` section of a job: the engine's name and each engine's options section
+(``rollout.hf``, ``rollout.vllm``). What differs between engines in sizing and validation is read
+from the options object (rollout TP, FP8 KV cache, context limit, memory); what they can do and how
+they are built is their entry in ``engines.ENGINES``.
 
 The number of samples per prompt is ``algo.group_size`` and the sampling seed derives from
 ``run.seed`` and the step, so ``rollout.sampling`` holds neither (the job sets them).
@@ -7,14 +10,14 @@ The number of samples per prompt is ``algo.group_size`` and the sampling seed de
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
-from megatron_jetrl.config import ConfigError, check_fields, check_integer
+from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
 from megatron_jetrl.rollout.base import SamplingParams
-from megatron_jetrl.rollout.vllm_engine import VllmOptions
 
-ENGINES = ("hf", "vllm")
-"""The ``rollout.engine`` choices (``RolloutSettings.engine``'s ``Literal``; a test keeps them equal)."""
+if TYPE_CHECKING:
+
+    from megatron_jetrl.models import ModelDims
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,106 @@ class HfOptions:
         for name in ("max_num_seqs", "max_batch_tokens", "max_prefill_tokens"):
             check_integer(f"rollout.hf.{name}", getattr(self, name), minimum=1)
 
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel size of one engine: the hf engine runs whole on one GPU."""
+        return 1
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return False
+
+    @property
+    def in_place_weights(self) -> bool:
+        """The weight sync writes into the engine's own tensors (``RolloutEngine.weight_buffers``)."""
+        return True
+
+    @property
+    def context_limit(self) -> Optional[int]:
+        """The longest prompt + response the engine takes (None: the model's own limit)."""
+        return None
+
+    def memory(self, dims: "ModelDims") -> tuple[float, Optional[float]]:
+        """(KV-cache bytes, share of the GPU the engine claims): its cache holds ``max_batch_tokens``."""
+        kv = float(self.max_batch_tokens * dims.num_layers * 2 * dims.num_groups * dims.head_dim * 2)
+        return kv, None
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """The ``rollout.vllm`` section: how the engine runs (precision is the recipe's, not here)."""
+
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    """Share of GPU memory for weights + KV cache while awake; the trainer gets it back in sleep."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + response; default: the job's ``data.train.max_prompt_tokens`` +
+    ``rollout.sampling.max_new_tokens``."""
+    max_num_seqs: int = 256
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """``fp8`` stores the KV cache in E4M3 with per-layer scales the trainer measures each step."""
+    enforce_eager: bool = False
+    """No CUDA graphs / torch.compile: faster start, slower decode (tests, debugging)."""
+    cuda_graph_max_batch: Optional[int] = None
+    """Capture CUDA graphs up to this many sequences per decode step (default: vLLM's, up to
+    ``max_num_seqs``); fewer graphs start faster."""
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    sleep_level: Literal[1, 2] = 2
+    """1: weights kept in host memory while asleep; 2: weights discarded (every update after a sleep
+    must then send all of them; the weight sync does)."""
+    weight_update: Literal["in_place", "reload"] = "in_place"
+    """``in_place``: the sync writes into vLLM's parameters; ``reload``: vLLM's own loaders."""
+    fp8_gemm: Literal["cutlass", "deep_gemm"] = "cutlass"
+    """vLLM's block-FP8 GEMM on Hopper: ``cutlass`` or ``deep_gemm`` (JIT-compiled at start-up,
+    minutes for a large model)."""
+    activation_quant: Literal["trainer", "vllm"] = "trainer"
+    """Who quantizes a linear's input in FP8 rollout: ``trainer`` (default: the trainer's 1x128
+    kernel and TE's rule, with vLLM's norm/activation+quant fusions off: the codes the trainer's
+    FProp makes from the same input; ``vllm_quant.py``) or ``vllm`` (its own kernels and rule).
+    Measured on an H200 (docs/rollout.md): ``trainer`` halves the engine-vs-trainer k3 KL and
+    decodes ~6 % faster (its kernel takes 30 ms of 32 decode steps at batch 256, vLLM's 50 ms)."""
+
+    def __post_init__(self) -> None:
+        k = "rollout.vllm"
+        check_fields(self, k)
+        for name in ("tensor_parallel_size", "max_num_seqs"):
+            check_integer(f"{k}.{name}", getattr(self, name), minimum=1)
+        for name in ("max_model_len", "cuda_graph_max_batch"):
+            if getattr(self, name) is not None:
+                check_integer(f"{k}.{name}", getattr(self, name), minimum=1)
+        check_number(f"{k}.gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0, low_open=True,
+                     high_open=True)
+        check_integer(f"{k}.seed", self.seed)
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
+
+    @property
+    def in_place_weights(self) -> bool:
+        return self.weight_update == "in_place"
+
+    @property
+    def context_limit(self) -> Optional[int]:
+        return self.max_model_len
+
+    def memory(self, dims: "ModelDims") -> tuple[float, Optional[float]]:
+        """vLLM sizes its own KV cache within ``gpu_memory_utilization`` of the GPU."""
+        return 0.0, self.gpu_memory_utilization
+
+
+EngineOptions = Union[HfOptions, VllmOptions]
+
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    """``engine``: ``hf`` (transformers, this project's FP8 linears; rollout TP 1) or ``vllm``
-    (production). ``offload_actor``: while the engine generates, the actor's parameters and
+    """``engine``: a key of ``engines.ENGINES`` (``hf``: transformers, this project's FP8 linears, rollout TP 1;
+    ``vllm``: production). ``offload_actor``: while the engine generates, the actor's parameters and
     optimizer state wait in host memory, and the engine sleeps while the actor trains (colocation;
     turn off only when both fit on the GPU at once)."""
 
@@ -52,16 +150,21 @@ class RolloutSettings:
 
     def __post_init__(self) -> None:
         check_fields(self, "rollout", ("engine", "offload_actor"))
-        if self.engine == "hf" and self.vllm.kv_cache_dtype != "auto":
+        if self.options is not self.vllm and self.vllm.fp8_kv_cache:
             raise ConfigError("rollout.vllm.kv_cache_dtype", self.vllm.kv_cache_dtype,
-                              "an FP8 KV cache needs rollout.engine=vllm (the hf engine keeps it in the model dtype)")
+                              f"an FP8 KV cache needs rollout.engine=vllm (the {self.engine} engine keeps it in the "
+                              "model dtype)")
+
+    @property
+    def options(self) -> EngineOptions:
+        """The chosen engine's own section (``rollout.<engine>``)."""
+        return getattr(self, self.engine)
 
     @property
     def tp(self) -> int:
         """Tensor-parallel size of one rollout engine."""
-        return self.vllm.tensor_parallel_size if self.engine == "vllm" else 1
+        return self.options.tp
 
     @property
     def fp8_kv_cache(self) -> bool:
-        return self.engine == "vllm" and self.vllm.kv_cache_dtype == "fp8"
-
+        return self.options.fp8_kv_cache

@@ -46,17 +46,17 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
+from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout import vllm_exact, vllm_quant
+from megatron_jetrl.rollout.settings import VllmOptions
 from megatron_jetrl.rollout.base import (MissingWeights, Sample, SamplingParams, TensorMeta, WeightMismatch,
                                          check_against_specs)
 from megatron_jetrl.rollout.vllm_model import KV_SCALES, DirectTargets, LayerwiseUpdate, model_weight_specs
@@ -124,54 +124,6 @@ def require_vllm() -> ModuleType:
     import vllm
 
     return vllm
-
-
-@dataclass(frozen=True)
-class VllmOptions:
-    """The ``rollout.vllm`` section: how the engine runs (precision is the recipe's, not here)."""
-
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
-    """Share of GPU memory for weights + KV cache while awake; the trainer gets it back in sleep."""
-    max_model_len: Optional[int] = None
-    """Longest prompt + response; default: the job's ``data.train.max_prompt_tokens`` +
-    ``rollout.sampling.max_new_tokens``."""
-    max_num_seqs: int = 256
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
-    """``fp8`` stores the KV cache in E4M3 with per-layer scales the trainer measures each step."""
-    enforce_eager: bool = False
-    """No CUDA graphs / torch.compile: faster start, slower decode (tests, debugging)."""
-    cuda_graph_max_batch: Optional[int] = None
-    """Capture CUDA graphs up to this many sequences per decode step (default: vLLM's, up to
-    ``max_num_seqs``); fewer graphs start faster."""
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    sleep_level: Literal[1, 2] = 2
-    """1: weights kept in host memory while asleep; 2: weights discarded (every update after a sleep
-    must then send all of them; the weight sync does)."""
-    weight_update: Literal["in_place", "reload"] = "in_place"
-    """``in_place``: the sync writes into vLLM's parameters; ``reload``: vLLM's own loaders."""
-    fp8_gemm: Literal["cutlass", "deep_gemm"] = "cutlass"
-    """vLLM's block-FP8 GEMM on Hopper: ``cutlass`` or ``deep_gemm`` (JIT-compiled at start-up,
-    minutes for a large model)."""
-    activation_quant: Literal["trainer", "vllm"] = "trainer"
-    """Who quantizes a linear's input in FP8 rollout: ``trainer`` (default: the trainer's 1x128
-    kernel and TE's rule, with vLLM's norm/activation+quant fusions off: the codes the trainer's
-    FProp makes from the same input; ``vllm_quant.py``) or ``vllm`` (its own kernels and rule).
-    Measured on an H200 (docs/rollout.md): ``trainer`` halves the engine-vs-trainer k3 KL and
-    decodes ~6 % faster (its kernel takes 30 ms of 32 decode steps at batch 256, vLLM's 50 ms)."""
-
-    def __post_init__(self) -> None:
-        k = "rollout.vllm"
-        check_fields(self, k)
-        for name in ("tensor_parallel_size", "max_num_seqs"):
-            check_integer(f"{k}.{name}", getattr(self, name), minimum=1)
-        for name in ("max_model_len", "cuda_graph_max_batch"):
-            if getattr(self, name) is not None:
-                check_integer(f"{k}.{name}", getattr(self, name), minimum=1)
-        check_number(f"{k}.gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0, low_open=True,
-                     high_open=True)
-        check_integer(f"{k}.seed", self.seed)
 
 
 def engine_env(recipe: PrecisionRecipe, options: VllmOptions) -> dict[str, str]:

@@ -342,11 +342,8 @@ class WeightSync:
     def _direct_buffers(self, engine: RolloutEngine) -> dict[str, torch.Tensor]:
         """The engine's tensors the kernels may write in place: those matching this rank's engine
         specs in shape and dtype, contiguous, on the sync's device."""
-        offer = getattr(engine, "weight_buffers", None)
-        if offer is None:
-            return {}
         specs = self.engine_specs()
-        return {name: t for name, t in offer().items()
+        return {name: t for name, t in engine.weight_buffers().items()
                 if name in specs and tuple(t.shape) == tuple(specs[name].shape) and t.dtype == specs[name].dtype
                 and t.is_contiguous() and t.device == self.device}
 

@@ -48,7 +48,7 @@ def _model(bridge, mode, **fp8):
 def test_spec_keys_bf16_layers_and_fp8_forward(megatron_cpu):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_jetrl.actor.checkpoint import checkpoint_key
+    from megatron_jetrl.actor.hf_conversion import checkpoint_key
     from megatron_jetrl.actor.layers import PackedCoreAttention, _Fp8LinearMixin
     from megatron_jetrl.precision.kv_cache import KvAmaxObserver
     from megatron_jetrl.actor.model import named_shards

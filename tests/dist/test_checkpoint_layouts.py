@@ -20,7 +20,7 @@ def _worker(rank, port, ckpt, hf_dir, results):
     try:
         from megatron.core import dist_checkpointing
 
-        from megatron_jetrl.actor.checkpoint import sharded_tensor
+        from megatron_jetrl.actor.hf_conversion import sharded_tensor
         from megatron_jetrl.models import bridge_for
         from megatron_jetrl.models.hf_checkpoint import HFCheckpoint
         from megatron_jetrl.models.layout import pp_layer_range

@@ -2,6 +2,7 @@
 rendezvous over gloo, agree on the rank layout, stop together on a signal sent to one of them with a
 checkpoint and exit 75, and resume from it. (The same path under a real SLURM: tests/slurm.)"""
 
+import json
 import os
 import signal
 import subprocess
@@ -88,3 +89,48 @@ def test_smoke_refuses_a_layout_that_does_not_divide_the_world(tmp_path):
     assert out.returncode == 2
     assert "actor.parallel" in out.stderr and "must divide the world size (3 processes)" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def smoke_once(tmp_path, *overrides):
+    """One smoke process (a one-task srun step) on ``tmp_path/run``: its exit code, stdout, stderr."""
+    env = slurm_env(79, 1, 0, MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
+    out = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", str(CONFIG), "--smoke",
+                          "--smoke-step-seconds", "0", f"run.dir={tmp_path / 'run'}", *overrides],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return out.returncode, out.stdout, out.stderr
+
+
+def test_smoke_honours_run_resume_false(tmp_path):
+    code, out, err = smoke_once(tmp_path, "run.steps=1")
+    assert code == 0, err[-3000:]
+    latest = tmp_path / "run" / "smoke" / "checkpoints" / "latest"
+    assert latest.read_text() == "step_00000001\n"
+    code, out, err = smoke_once(tmp_path, "run.steps=2", "run.resume=false")
+    assert code == 2, err[-3000:]
+    assert err.strip() == (f"config error: run.resume: got False; {tmp_path / 'run' / 'smoke'} has checkpoints "
+                           "(step_00000001); use a new run.dir, or run.resume=true to continue")
+    assert "step 1/2" not in out and latest.read_text() == "step_00000001\n"
+    code, out, err = smoke_once(tmp_path, "run.steps=2", "run.resume=true")
+    assert code == 0 and "resumed from" in out and "(step 1)" in out and "step 2/2 ok" in out, err[-3000:]
+
+
+def test_smoke_skips_an_unreadable_state_and_names_it_then_refuses_when_none_is_readable(tmp_path):
+    code, out, err = smoke_once(tmp_path, "run.steps=2", "run.save_every=1")
+    assert code == 0, err[-3000:]
+    root = tmp_path / "run" / "smoke" / "checkpoints"
+    (root / "step_00000002" / "state.json").write_bytes(b"\xff\xfe{\"step\": 2}")  # not UTF-8
+    code, out, err = smoke_once(tmp_path, "run.steps=3", "run.save_every=1")
+    assert code == 0, err[-3000:]
+    assert f"WARNING: {root / 'step_00000002' / 'state.json'}: UnicodeDecodeError" in out
+    assert f"resumed from {root / 'step_00000001'} (step 1)" in out and "step 2/3 ok" in out and "step 3/3 ok" in out
+
+    (root / "step_00000002" / "state.json").write_text("{half")
+    (root / "step_00000003" / "state.json").write_text(json.dumps({"step": 7}))
+    code, out, err = smoke_once(tmp_path, "run.steps=4", "run.save_every=1")
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines() == [
+        f"checkpoint error: no checkpoint in {root} can be read ({root / 'step_00000003' / 'state.json'}: "
+        f"ValueError: holds {{'step': 7}}, not {{'step': 3}}; {root / 'step_00000002' / 'state.json'}: "
+        "JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+        "move the broken ones away, or start over in a new run.dir"]
+    assert "step 4/4" not in out

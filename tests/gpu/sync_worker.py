@@ -86,6 +86,9 @@ class Recorder:
     def update_weights(self, tensors):
         self.tensors.update((n, t.clone()) for n, t in tensors)
 
+    def weight_buffers(self):  # handed-over tensors only
+        return {}
+
 
 def engine_vs_trainer(actor, prompts, samples, *, kv_scales: bool = False) -> tuple[dict, torch.Tensor | None]:
     """The trainer recomputes the logprobs of an engine's samples: mean |Δlogp|, k3 KL,

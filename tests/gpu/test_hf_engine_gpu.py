@@ -12,7 +12,7 @@ from megatron_jetrl.models.fp8_export import to_fp8_block
 from megatron_jetrl.ops import NativeQuantizer
 from megatron_jetrl.precision import PrecisionRecipe, fp8_block_linear
 from megatron_jetrl.rollout import HfEngine, HfOptions, SamplingParams
-from megatron_jetrl.rollout.hf import Fp8InferenceLinear
+from megatron_jetrl.rollout.hf_model import Fp8InferenceLinear
 from tests.helpers import assert_same_bytes
 from tests.model_fixtures import FAMILIES
 from tests.unit.test_hf_engine import reference_model

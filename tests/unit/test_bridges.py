@@ -1,6 +1,8 @@
 """Model bridges: config translation, the tensor map's round trip, and TP shards of the fused tensors
 against an independent per-rank construction."""
 
+import re
+
 import pytest
 import torch
 
@@ -136,6 +138,30 @@ def test_unsupported_rope_scaling_is_rejected():
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
     with pytest.raises(ConfigError, match="llama3"):
         bridge_for(config)
+
+
+_DIMS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+         "head_dim", "vocab_size", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("key", _DIMS)
+@pytest.mark.parametrize("value", [0, -1, 2.5, "64", True])
+def test_every_dimension_must_be_a_positive_integer(key, value):
+    config = tiny_hf_model("Qwen3ForCausalLM").config.to_dict()
+    with pytest.raises(ConfigError, match=rf"^config\.json:{key}: got {re.escape(repr(value))}; "
+                                          r"must be a positive integer$"):
+        bridge_for({**config, key: value})
+
+
+def test_dimension_defaults_and_integral_floats():
+    config = tiny_hf_model("Qwen3ForCausalLM").config.to_dict()
+    d = bridge_for({**config, "head_dim": None, "num_key_value_heads": None, "max_position_embeddings": None,
+                    "hidden_size": 256.0}).dims
+    assert (d.head_dim, d.num_groups, d.max_position_embeddings, d.hidden_size) == (32, 8, 4096, 256)
+    assert isinstance(d.hidden_size, int)
+    with pytest.raises(ConfigError, match=r"^config\.json:num_attention_heads: got 512; must be at most hidden_size "
+                                          r"\(256\) when head_dim is not set"):
+        bridge_for({**config, "head_dim": None, "num_attention_heads": 512, "num_key_value_heads": 512})
 
 
 def test_index_map_by_hand():

@@ -114,11 +114,44 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path, hf_tok):
 
 def test_missing_field_names_key_and_file(tmp_path, hf_tok):
     path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "what", "answer": 1}, {"prompt": "is"}])
-    with pytest.raises(ConfigError, match=r"data\.eval\.answer_key: got 'answer'; record 2 of .*d\.jsonl has no "
-                                          r"such field \(it has \['prompt'\]\)"):
+    with pytest.raises(ConfigError, match=r"data\.eval\.answer_key: got 'answer'; record 2 of .*d\.jsonl \(line 2\) "
+                                          r"has no such field \(it has \['prompt'\]\)"):
         PromptDataset.from_settings(DatasetSettings(path=path), hf_tok, "data.eval")
     with pytest.raises(ConfigError, match=r"data\.train\.prompt_key: got 'q'; record 1 of"):
         PromptDataset.from_settings(DatasetSettings(path=path, prompt_key="q"), hf_tok, "data.train")
+
+
+@pytest.mark.parametrize("prompt, what", [("", "empty"), ("  \n", "only whitespace"),
+                                           ([{"role": "user", "content": ""}], "empty")])
+def test_empty_prompt_is_refused_at_load_naming_file_and_line(tmp_path, hf_tok, prompt, what):
+    """An empty prompt is refused when the data loads (``jetrl check`` loads it too), not when its
+    batch reaches the engine: the error names the file, the record and its line."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "what is 2+2 ?", "answer": 4}) + "\n\n"
+                    + json.dumps({"prompt": prompt, "answer": 0}) + "\n")
+    for template in ("auto", "off") if isinstance(prompt, str) else ("auto",):
+        with pytest.raises(ConfigError, match=rf"^data\.train\.prompt_key: got 'prompt'; record 2 of .*d\.jsonl "
+                                              rf"\(line 3\): the prompt is {what}; remove the record"):
+            PromptDataset.from_settings(DatasetSettings(path=str(path), chat_template=template), hf_tok, "data.train")
+
+
+class _DroppingTokenizer:
+    """Encodes each word as token 1 except ``<drop>``, which it drops (no chat template)."""
+
+    eos_token_id = pad_token_id = 0
+    vocab_size = 2
+
+    def encode(self, text):
+        return [1 for word in text.split() if word != "<drop>"]
+
+
+def test_prompt_that_tokenizes_to_nothing_is_refused_at_load():
+    records = [{"prompt": "a b", "answer": 1}, {"prompt": "<drop> <drop>", "answer": 2}]
+    with pytest.raises(ConfigError, match=r"^data\.eval\.prompt_key: got 'prompt'; record 2 of <records>: the prompt "
+                                          r"'<drop> <drop>' tokenizes to no tokens"):
+        PromptDataset.from_records(records, _DroppingTokenizer(), DatasetSettings(path="x.jsonl"), "data.eval")
+    assert len(PromptDataset.from_records(records[:1], _DroppingTokenizer(), DatasetSettings(path="x.jsonl"),
+                                          "data.eval")) == 1
 
 
 def test_file_errors(tmp_path, hf_tok):

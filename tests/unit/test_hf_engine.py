@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_jetrl.models import bridge_for
+from megatron_jetrl.models import BRIDGES, bridge_for
 from megatron_jetrl.models.fp8_export import fp8_hf_config, to_fp8_block
 from megatron_jetrl.precision import Fp8Options, PrecisionRecipe, ReferenceQuantizer, fp8_block_linear
 from megatron_jetrl.rollout import HfEngine, HfOptions, SamplingParams, WeightMismatch
-from megatron_jetrl.rollout.hf import ARCHITECTURES, Fp8InferenceLinear, FusedProjection
+from megatron_jetrl.rollout.hf_model import Fp8InferenceLinear, FusedProjection, hf_classes
 from tests.helpers import assert_same_bytes
 from tests.model_fixtures import FAMILIES, save_tiny_hf, tiny_hf_model
 
@@ -36,7 +36,7 @@ def reference_model(arch: str, seed: int = 0):
     (the fixture's ``.to(bfloat16)`` rounded them) and torch's RMSNorm in the model dtype."""
     model = tiny_hf_model(arch, seed=seed)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-    norm_cls = ARCHITECTURES[arch][1]
+    norm_cls = hf_classes(BRIDGES[arch]).norm
     for name, norm in list(model.named_modules()):
         if isinstance(norm, norm_cls):
             parent, child = name.rsplit(".", 1)

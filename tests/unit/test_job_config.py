@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
 import re
 import pytest
 import yaml
@@ -121,6 +122,21 @@ def test_resolve_layout_and_its_errors():
     assert "tp" in e.value.key
 
 
+@pytest.mark.parametrize("override", ["num_hidden_layers=0", "num_hidden_layers=-1", "hidden_size=0",
+                                      "num_attention_heads=-2", "intermediate_size=-5", "head_dim=0", "vocab_size=0",
+                                      "max_position_embeddings=0"])
+def test_model_dimensions_of_an_inline_config_must_be_positive(override, capsys):
+    """A size of 0 or less in model.config is named when the job resolves (jetrl check and jetrl
+    train both resolve it before any GPU work), not a traceback or a "config OK"."""
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        resolve(tiny(f"model.config.{override}"), 1)
+    assert str(e.value) == f"config.json:{key}: got {value}; must be a positive integer"
+    assert cli_main(["check", str(TINY), f"model.config.{override}"]) == 2
+    out = capsys.readouterr()
+    assert f"config.json:{key}: got {value}; must be a positive integer" in out.err and "config OK" not in out.out
+
+
 def test_fp8_kv_cache_needs_vllm_and_fp8_rollout():
     with pytest.raises(ConfigError, match="rollout.engine=vllm"):
         tiny("rollout.vllm.kv_cache_dtype=fp8")
@@ -185,7 +201,11 @@ def test_choice_fields_are_checked_by_their_annotation_in_code_and_in_the_loader
                        "rollout.vllm.weight_update")):
         with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: got .*must be"):
             make()
-    assert typing.get_args(typing.get_type_hints(RolloutSettings)["engine"]) == ENGINES
+    assert typing.get_args(typing.get_type_hints(RolloutSettings)["engine"]) == tuple(ENGINES)
+    hints = typing.get_type_hints(RolloutSettings)
+    for name, kind in ENGINES.items():  # each engine's options section is the rollout field of its name
+        assert kind.name == name and hints[name] is kind.options
+        assert isinstance(RolloutSettings(engine=name).options, kind.options)
     assert typing.get_args(typing.get_type_hints(HfOptions)["gemm"]) == GEMM_BACKENDS
     assert typing.get_args(typing.get_type_hints(ActorSettings)["fp8_gemm"]) == GEMM_BACKENDS
     from megatron_jetrl.algo.settings import CorrectionSettings
@@ -206,3 +226,91 @@ def test_profile_steps_must_be_steps_of_the_run():
         RunSettings(dir="r", steps=5, profile_steps=(2, 6))
     with pytest.raises(ConfigError, match=r"run\.profile_steps\[0\]"):
         RunSettings(dir="r", steps=5, profile_steps=(0,))
+
+
+def _tree(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_run_dir_that_is_a_file_is_refused_by_check_and_train(tmp_path, capsys, monkeypatch):
+    import megatron_jetrl.cli as cli
+
+    (tmp_path / "f").write_text("x")
+    for run_dir, wrong in ((tmp_path / "f", "is a file, not a directory"),
+                           (tmp_path / "f" / "run", f"cannot be created: {tmp_path / 'f'} is a file")):
+        with pytest.raises(ConfigError, match=rf"^run\.dir: got '{re.escape(str(run_dir))}'; {re.escape(wrong)}; "
+                                              r"set run\.dir to"):
+            tiny(f"run.dir={run_dir}").run.check_dir()
+        assert cli_main(["check", str(TINY), f"run.dir={run_dir}"]) == 2
+        out = capsys.readouterr()
+        assert f"run.dir: got '{run_dir}'; {wrong}" in out.err and "config OK" not in out.out
+        monkeypatch.setattr(cli, "load_data", lambda *a: pytest.fail("data loaded before run.dir was checked"))
+        assert cli_main(["train", str(TINY), f"run.dir={run_dir}"]) == 2
+        assert f"run.dir: got '{run_dir}'; {wrong}" in capsys.readouterr().err
+    assert _tree(tmp_path) == ["f"]
+
+
+def test_run_dir_that_does_not_exist_yet_is_not_created(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "keep").write_text("x")
+    for run_dir in (tmp_path / "new", tmp_path / "a" / "b" / "c", tmp_path / "old"):
+        tiny(f"run.dir={run_dir}").run.check_dir()
+    assert _tree(tmp_path) == ["old", "old/keep"]
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_read_only_run_dir_is_refused_and_nothing_is_left(tmp_path, monkeypatch, exists):
+    """chmod 0o500 is what a user sees; root writes there anyway, so as root the permission
+    check is shown os.access's answer for a user, and the write probe (which catches what
+    permissions miss: read-only mounts, ACLs, root squash) is made to fail as such a mount does."""
+    import errno
+    import tempfile
+
+    from megatron_jetrl.job import config as job_config
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    run_dir = ro if exists else ro / "run"
+    wrong = "is not writable" if exists else f"does not exist and cannot be created: {ro} is not writable"
+    ro.chmod(0o500)
+    try:
+        if os.geteuid() == 0:  # chmod does not restrict root
+            real_access = os.access
+            monkeypatch.setattr(job_config.os, "access", lambda p, mode: Path(p) != ro and real_access(p, mode))
+        with pytest.raises(ConfigError, match=rf"^run\.dir: got '{re.escape(str(run_dir))}'; {re.escape(wrong)} by "
+                                              r"this user; .*or set run\.dir (to|under) a writable directory$"):
+            tiny(f"run.dir={run_dir}").run.check_dir()
+        monkeypatch.undo()
+        ro.chmod(0o700)
+
+        def read_only_mount(*args, **kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+        monkeypatch.setattr(tempfile, "mkstemp", read_only_mount)
+        with pytest.raises(ConfigError, match=rf"^run\.dir: got '{re.escape(str(run_dir))}'; {re.escape(wrong)} "
+                                              r"\(Read-only file system\); "):
+            tiny(f"run.dir={run_dir}").run.check_dir()
+    finally:
+        ro.chmod(0o700)
+    assert _tree(tmp_path) == ["ro"]
+
+
+def test_check_loads_the_data_and_refuses_an_empty_prompt(tmp_path, capsys):
+    """jetrl check loads the data whenever the tokenizer and the data files are there (also while
+    the model is still to download, planning with model.plan_config), so an empty prompt is named
+    there instead of stopping the run at its batch."""
+    import json
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "3 5>8=", "answer": 8}) + "\n" + json.dumps({"prompt": "", "answer": 1})
+                    + "\n")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(load_yaml(TINY)["model"]["config"]))
+    args = ["data.train.synthetic=null", f"data.train.path={data}", f"run.dir={tmp_path / 'run'}"]
+    later = [f"model.hf_config={tmp_path / 'not-downloaded'}", f"model.plan_config={plan}"]
+    for extra in ([], later):
+        assert cli_main(["check", str(TINY), *args, *extra]) == 2
+        out = capsys.readouterr()
+        assert f"data.train.prompt_key: got 'prompt'; record 2 of {data} (line 2): the prompt is empty" in out.err
+        assert "config OK" not in out.out
+    assert _tree(tmp_path) == ["plan.json", "train.jsonl"]

@@ -4,7 +4,11 @@ with what to change. Only the paths are overridden: a model directory holding th
 config.json (examples/configs/models/) and a stand-in tokenizer, and DAPO-schema JSONL data."""
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -199,3 +203,56 @@ def test_a_config_error_is_printed_once_per_launch(capsys, monkeypatch, rank, pr
     monkeypatch.setenv("RANK", rank)
     assert main(["check", str(CONFIGS / "tiny_countdown.yaml"), "run.steps=0"]) == 2
     assert ("config error: run.steps" in capsys.readouterr().err) is printed
+
+
+def test_the_download_command_is_the_installed_hf_cli():
+    """The recipes' first step downloads the model with ``hf download``: the CLI the installed
+    huggingface_hub provides (it has no ``huggingface-cli`` any more). Each recipe's command runs
+    ``hf download`` with options it knows, and no file of the docs still says ``huggingface-cli``."""
+    stale = [str(path.relative_to(ROOT)) for path in [ROOT / "README.md", *ROOT.glob("examples/**/*"),
+                                                      *ROOT.glob("docs/**/*")]
+             if path.is_file() and b"huggingface-cli" in path.read_bytes()]
+    assert not stale, f"say `hf download ...` instead of `huggingface-cli download ...` in {stale}"
+    hf = Path(sys.executable).with_name("hf")
+    assert hf.exists(), f"no `hf` next to {sys.executable}: huggingface_hub (a transformers dependency) provides it"
+    usage = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, check=True).stdout
+    for name, _ in RECIPES.values():
+        commands = [line.lstrip("# ").strip() for line in (CONFIGS / name).read_text().splitlines()
+                    if re.match(r"#\s+hf download ", line)]
+        assert len(commands) == 1, (name, commands)
+        for option in re.findall(r"--[a-z-]+", commands[0]):
+            assert option in usage, (name, option)
+
+
+def test_check_without_nodes_says_how_to_plan_for_more_processes(paths, capsys, monkeypatch):
+    """The 8B recipe's layout needs a node: planned for the default one process, the refusal says
+    which flag gives the world size; with a world from the launcher's environment it does not."""
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    name, nodes = RECIPES["8b"]
+    assert main(["check", str(CONFIGS / name), *overrides(paths, "8b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "world size (1 processes)" in err, err
+    assert "pass --nodes N" in err and "--world-size N" in err, err
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["check", str(CONFIGS / name), *overrides(paths, "8b")]) == 2
+    assert "pass --nodes" not in capsys.readouterr().err
+    assert main(["check", str(CONFIGS / name), "--nodes", str(nodes), *overrides(paths, "8b")]) == 0
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this host has a CUDA GPU: train would start")
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_train_without_cuda_is_refused_once_per_launch(tmp_path, rank, printed):
+    """Every rank of a launch on a machine without CUDA finds the same: one line from rank 0, exit 2,
+    after the whole pre-flight and before anything is written to run.dir."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_NTASKS", "SLURM_PROCID", "LOCAL_RANK")}
+    env.update(RANK=rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29999")
+    run = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", str(CONFIGS / "tiny_countdown.yaml"),
+                          f"run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert run.returncode == 2, run.stderr
+    lines = [x for x in run.stderr.splitlines() if "config error" in x]
+    assert lines == (["config error: jetrl train: got 'no CUDA GPU visible'; it needs one GPU per process "
+                      "(jetrl check validates a job without one; jetrl train --smoke tests the launch on CPUs)"]
+                     if printed else []), run.stderr
+    assert not (tmp_path / "run").exists()

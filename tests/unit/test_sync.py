@@ -187,6 +187,9 @@ class _RecordingEngine:
     def update_weights(self, tensors):
         self.loaded += [name for name, _ in tensors]
 
+    def weight_buffers(self):  # handed-over tensors only
+        return {}
+
 
 def _qwen3_tp1_sync():
     """A Qwen3 model's sync at TP 1 -> rollout TP 1 (reference copies) and its one rank's shards."""

@@ -1,5 +1,5 @@
 """Run checkpoints: atomic publication, pruning, crash recovery, and exact RNG resume (one process;
-tests/dist/test_runtime_checkpoints_dist.py runs the protocol with a real barrier)."""
+tests/dist/test_run_checkpoints_dist.py runs the protocol with a real barrier)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import torch
 from megatron_jetrl.runtime import (
     COMPLETE, LATEST, RunCheckpoints, load_rng, rng_fingerprint, rng_path, save_json_atomic, save_rng, write_atomic,
 )
-from megatron_jetrl.runtime import checkpoints as checkpoints_module
+from megatron_jetrl.runtime import run_checkpoints as checkpoints_module
 
 
 def _ckpts(tmp_path, keep_last=3):
@@ -130,6 +130,36 @@ def test_latest_falls_back_to_scan_when_pointer_is_broken(tmp_path, pointer):
     else:
         latest.write_text(pointer)
     assert ck.latest().name == "step_00000002"
+
+
+@pytest.mark.parametrize("pointer, problem", [
+    (b"\xff\xfestep_00000002\n", "cannot be read ('utf-8' codec can't decode byte 0xff"),
+    (b"garbage\n", "names 'garbage', not a complete step directory"),
+])
+def test_unusable_pointer_is_named_in_one_warning_and_the_newest_complete_one_used(tmp_path, caplog, pointer,
+                                                                                    problem):
+    ck = _ckpts(tmp_path)
+    _save(ck, 1)
+    _save(ck, 2)
+    latest = tmp_path / "checkpoints" / LATEST
+    latest.write_bytes(pointer)
+    with caplog.at_level("WARNING", logger="megatron_jetrl.runtime.run_checkpoints"):
+        assert ck.latest().name == "step_00000002"
+        assert [p.name for p in ck.candidates()] == ["step_00000002", "step_00000001"]
+    assert len(caplog.records) == 1  # once, though a resume asks twice
+    assert caplog.records[0].getMessage().startswith(f"{latest} {problem}")
+    assert caplog.records[0].getMessage().endswith("falling back to the newest complete checkpoint: step_00000002")
+    for step in (1, 2):
+        (ck.step_dir(step) / COMPLETE).unlink()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megatron_jetrl.runtime.run_checkpoints"):
+        assert ck.latest() is None and ck.candidates() == []
+    assert caplog.records[0].getMessage().endswith("falling back to the newest complete checkpoint: there is none")
+    caplog.clear()
+    other_rank = RunCheckpoints(tmp_path, keep_last=3, rank=1, world_size=2, barrier=lambda: None)
+    with caplog.at_level("WARNING", logger="megatron_jetrl.runtime.run_checkpoints"):
+        assert other_rank.latest() is None
+    assert not caplog.records  # rank 0 says it for all
 
 
 def test_pointer_rolled_back_by_hand_is_followed_and_the_abandoned_future_pruned(tmp_path):

@@ -1,4 +1,4 @@
-"""Run checkpoints that a crash can never leave half-published.
+"""Run checkpoints (the step directories of ``run.dir``) that a crash can never leave half-published.
 
 Layout under ``run_dir/checkpoints/``::
 
@@ -27,6 +27,7 @@ group's timeout, and nothing half-written is published.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_jetrl.runtime.atomic import fsync_dir, save_json_atomic, write_atomic
+
+logger = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -59,6 +62,7 @@ class RunCheckpoints:
         self.rank = rank
         self.world_size = world_size
         self._barrier = barrier
+        self._warned: Optional[str] = None
 
     def step_dir(self, step: int) -> Path:
         """Where the complete checkpoint of ``step`` lives (whether or not it exists)."""
@@ -143,16 +147,30 @@ class RunCheckpoints:
         """The newest complete checkpoint, or None. Local (no collective).
 
         Follows ``latest`` when it names a complete step directory, which also lets a person roll
-        a run back by editing it; otherwise (missing, garbage, pointing at a deleted or incomplete
-        directory) the newest step directory holding ``COMPLETE``. ``.tmp`` dirs are never chosen.
+        a run back by editing it; otherwise (missing, unreadable, not UTF-8, garbage, pointing at a
+        deleted or incomplete directory) the newest step directory holding ``COMPLETE``, with a
+        warning from rank 0 naming the pointer when there was one. ``.tmp`` dirs are never chosen.
         """
         pointer = self.root / LATEST
+        problem = None
         if pointer.is_file():
-            name = pointer.read_text(encoding="utf-8").strip()
-            if _STEP_RE.match(name) and (self.root / name / COMPLETE).is_file():
-                return self.root / name
+            try:
+                name = pointer.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as e:
+                problem = f"cannot be read ({e})"
+            else:
+                if _STEP_RE.match(name) and (self.root / name / COMPLETE).is_file():
+                    return self.root / name
+                problem = f"names {name[:80]!r}, not a complete step directory"
         steps = self._complete_steps()
-        return self.step_dir(steps[-1]) if steps else None
+        found = self.step_dir(steps[-1]) if steps else None
+        if problem is not None and self.rank == 0:
+            warning = (f"{pointer} {problem}; falling back to the newest complete checkpoint: "
+                       f"{found.name if found else 'there is none'}")
+            if warning != self._warned:  # once, though a resume asks twice (latest, then candidates)
+                logger.warning(warning)
+                self._warned = warning
+        return found
 
     def candidates(self) -> list[Path]:
         """Complete checkpoints to resume from, best first: ``latest()``, then the older complete

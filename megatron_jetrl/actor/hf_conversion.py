@@ -1,4 +1,5 @@
-"""megatron-core distributed checkpoints of a bridged model, written and read without GPTModel.
+"""HF <-> megatron-core conversion: distributed checkpoints of a bridged model's weights, written
+and read without GPTModel (``tools/convert_*.py``; the actor's own state is ``state.py``).
 
 The checkpoint holds exactly the ShardedTensors GPTModel's ``sharded_state_dict()`` produces, so a
 model built at any TP/PP (local or Transformer Engine layer spec) loads it:
@@ -33,13 +34,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_jetrl.models import ModelBridge, TensorSpec, bridge_for
-from megatron_jetrl.models.fp8_export import check_fp8_exportable, fp8_hf_config, fp8_plan, to_fp8_block
+from megatron_jetrl.models.fp8_export import (
+    SCALE_SUFFIX,
+    check_fp8_exportable,
+    fp8_hf_config,
+    fp8_plan,
+    to_fp8_block,
+)
 from megatron_jetrl.models.hf_checkpoint import (
     CheckpointError,
     HFCheckpoint,
@@ -52,6 +60,9 @@ HF_DIR = "hf"
 LAYER_PREFIX = "decoder.layers."
 VOCAB_CHUNK_BYTES = 64 * 2**20
 """Row-block size of the embedding / output layer when streamed (a decoder layer's order)."""
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Dtypes a model tensor may have in either checkpoint; the conversion keeps each tensor's dtype."""
+_WEIGHT_DTYPE_NAMES = "bfloat16, float16 or float32"
 MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                   "common_backend": "torch", "common_backend_version": 1}
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -173,20 +184,67 @@ def _vocab_rows(bridge: ModelBridge, hf: HFCheckpoint, spec: TensorSpec, r0: int
     return zeros if real is None else torch.cat([real, zeros])
 
 
-def save_hf_as_megatron(bridge: ModelBridge, hf: HFCheckpoint, out: Path, *, progress: bool = False) -> None:
-    """Write ``hf``'s weights as a megatron-core checkpoint into the (empty) directory ``out``,
-    converting one chunk at a time (see the module docstring)."""
+def check_hf_sources(bridge: ModelBridge, hf: HFCheckpoint) -> None:
+    """Every HF tensor the bridge reads exists, has its shape and a ``WEIGHT_DTYPES`` dtype shared by
+    the tensors fused with it; from the safetensors headers, before any data is read. FP8 sources
+    are refused: their codes would be copied as if they were weights, without their scales."""
     for spec in bridge.tensor_map():
         for name in spec.hf:
             if name not in hf:
                 raise CheckpointError(f"HF checkpoint {hf.path} has no tensor {name!r} (needed for {spec.megatron})")
         bridge.check_sources(spec, hf.shape)
+        dtypes = {name: hf.dtype(name) for name in spec.hf}
+        for name, dtype in dtypes.items():
+            if dtype.is_floating_point and dtype.itemsize == 1:
+                scale = name + SCALE_SUFFIX
+                found = (f": {hf.path} is an FP8 checkpoint (with block scales {scale}). FP8 sources are" if scale in hf
+                         else f" and its {scale} is missing: {hf.path} is an FP8 checkpoint without its scales "
+                         "(an incomplete copy?). FP8 sources, with or without scales, are")
+                raise CheckpointError(
+                    f"HF tensor {name} is {_dtype_name(dtype)}{found} not supported (their weights are already "
+                    "quantized): convert from the BF16 checkpoint the FP8 one was made from")
+            if dtype not in WEIGHT_DTYPES:
+                raise CheckpointError(
+                    f"HF tensor {name} in {hf.path / hf.weight_map[name]} is {_dtype_name(dtype)}; "
+                    f"{bridge.architecture} needs a floating-point tensor there ({_WEIGHT_DTYPE_NAMES}): the file is "
+                    "corrupt or not this model's weights; convert from the original BF16 checkpoint")
+        if len(set(dtypes.values())) > 1:
+            found = ", ".join(f"{name} {_dtype_name(d)}" for name, d in dtypes.items())
+            raise CheckpointError(f"HF tensors fused into {spec.megatron} differ in dtype ({found}); save the "
+                                  "checkpoint in one dtype (e.g. bfloat16) and convert that")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dcp(operation: Callable[[], None]) -> None:
+    """Run a torch.distributed.checkpoint save or load and raise what failed in it, not the
+    ``CheckpointException`` DCP wraps it in (whose message is a traceback per rank): with
+    ``no_dist`` there is one rank, so one failure, whose ``__context__`` (e.g. a full disk behind a
+    torch.save error) stays as it was."""
+    try:
+        operation()
+        return
+    except CheckpointException as e:
+        failures = list(e.failures.values())
+        if len(failures) != 1:
+            raise
+        failure = failures[0][0]
+    raise failure
+
+
+def save_hf_as_megatron(bridge: ModelBridge, hf: HFCheckpoint, out: Path, *, progress: bool = False) -> None:
+    """Write ``hf``'s weights as a megatron-core checkpoint into the (empty) directory ``out``,
+    converting one chunk at a time (see the module docstring); sources are checked first
+    (``check_hf_sources``)."""
+    check_hf_sources(bridge, hf)
     chunks = _chunks(bridge, hf)
     bar, task = _progress(progress, len(chunks), f"converting {bridge.architecture}")
     with bar:
         planner = _StreamingPlanner(chunks, _extra_state_keys(bridge), on_chunk=lambda: bar.advance(task))
         writer = dcp.FileSystemWriter(str(out), single_file_per_rank=True, thread_count=1)
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        _dcp(lambda: dcp.save({}, storage_writer=writer, planner=planner, no_dist=True))
     torch.save({}, out / "common.pt")
     (out / "metadata.json").write_text(json.dumps(MCORE_METADATA))
     (out / HF_DIR).mkdir()
@@ -257,7 +315,8 @@ def _read_slices(ckpt: Path, specs: list[TensorSpec], meta) -> dict[str, torch.T
             buf = torch.empty((1, *spec.shape), dtype=md.properties.dtype)
             requests[key] = ((spec.layer,) + (0,) * len(spec.shape), buf)
             out[spec.megatron] = buf[0]
-    dcp.load({}, storage_reader=dcp.FileSystemReader(str(ckpt)), planner=_SliceLoadPlanner(requests), no_dist=True)
+    _dcp(lambda: dcp.load({}, storage_reader=dcp.FileSystemReader(str(ckpt)), planner=_SliceLoadPlanner(requests),
+                          no_dist=True))
     return out
 
 
@@ -284,14 +343,18 @@ def read_megatron_as_hf(
         groups.setdefault(spec.layer, []).append(spec)
     meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
     check_checkpoint_shapes(ckpt, bridge, meta)
+    for spec in bridge.tensor_map():
+        dtype = meta.state_dict_metadata[checkpoint_key(spec)].properties.dtype
+        if dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"checkpoint {ckpt} stores {checkpoint_key(spec)!r} as {_dtype_name(dtype)}; model "
+                                  f"weights are {_WEIGHT_DTYPE_NAMES}: convert it again from the BF16 HF checkpoint")
     plan = [(name, meta.state_dict_metadata[checkpoint_key(spec)].properties.dtype, shape)
             for specs in groups.values() for spec in specs
             for name, shape in zip(spec.hf, bridge.hf_shapes(spec), strict=True)]
     if fp8_recipe is not None:
         plan = list(fp8_plan(bridge, fp8_recipe, plan))
-    writer = StreamingSafetensorsWriter(out, plan, max_shard_bytes)
     bar, task = _progress(progress, len(groups), f"exporting {bridge.architecture}")
-    with bar:
+    with bar, StreamingSafetensorsWriter(out, plan, max_shard_bytes) as writer:
         for specs in groups.values():
             full = _read_slices(ckpt, specs, meta)
             tensors = (item for spec in specs for item in bridge.to_hf(spec, full.pop(spec.megatron)).items())
@@ -300,7 +363,7 @@ def read_megatron_as_hf(
             for name, t in tensors:
                 writer.add(name, t)
             bar.advance(task)
-    writer.finish()
+        writer.finish()
     config = fp8_hf_config(bridge, fp8_recipe, hf_config) if fp8_recipe is not None else hf_config
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:

@@ -1,0 +1,85 @@
+"""The table of rollout engines (``ENGINES``), by ``rollout.engine`` name.
+
+Each engine has its options section in ``settings.py`` and one ``EngineKind`` here: what it can do
+(the exact rollout), the environment it must be imported
+with, what the machine must have, and its factory. No code outside this table tests
+``rollout.engine`` by name. The factories import their engine when called, so the table imports
+quickly for config validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from megatron_jetrl.rollout.settings import HfOptions, RolloutSettings, VllmOptions
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_jetrl.precision import PrecisionRecipe
+    from megatron_jetrl.rollout.base import RolloutEngine
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One engine: ``options`` is its section's class (the section is named like the engine);
+    ``exact``: it can run ``precision.exact``; ``environment``:
+    variables it must be imported with (the launcher sets them); ``requirements``: what this machine
+    must have, each a callable raising ``ConfigError`` naming the fix; ``build``: the factory."""
+
+    name: str
+    summary: str
+    options: type
+    exact: bool
+    environment: Callable[["PrecisionRecipe", Any], dict[str, str]]
+    requirements: Callable[[Any], list[Callable[[], object]]]
+    build: Callable[..., "RolloutEngine"]
+
+
+def _build_hf(options: HfOptions, recipe: "PrecisionRecipe", hf_config: dict, *, device: "torch.device",
+              max_model_len: int) -> "RolloutEngine":
+    from megatron_jetrl.rollout.hf import HfEngine
+
+    return HfEngine(hf_config, recipe, options, device=device)
+
+
+def _build_vllm(options: VllmOptions, recipe: "PrecisionRecipe", hf_config: dict, *, device: "torch.device",
+                max_model_len: int) -> "RolloutEngine":
+    from megatron_jetrl.rollout.vllm_engine import VllmEngine
+
+    if options.max_model_len is None:
+        options = dataclasses.replace(options, max_model_len=max_model_len)
+    return VllmEngine(hf_config, recipe, options)
+
+
+def _vllm_environment(recipe: "PrecisionRecipe", options: VllmOptions) -> dict[str, str]:
+    from megatron_jetrl.rollout.vllm_engine import engine_env
+
+    return engine_env(recipe, options)
+
+
+def _vllm_requirements(options: VllmOptions) -> list[Callable[[], object]]:
+    from megatron_jetrl.rollout.vllm_engine import require_vllm_version
+
+    return [require_vllm_version]
+
+
+ENGINES: dict[str, EngineKind] = {
+    "hf": EngineKind(
+        name="hf", summary="transformers model with the trainer's FP8 linears (CPU too; rollout TP 1)",
+        options=HfOptions, exact=False, environment=lambda recipe, options: {},
+        requirements=lambda options: [], build=_build_hf),
+    "vllm": EngineKind(
+        name="vllm", summary="vLLM in-process, colocated (production)",
+        options=VllmOptions, exact=True, environment=_vllm_environment,
+        requirements=_vllm_requirements, build=_build_vllm),
+}
+"""The engines, by ``rollout.engine`` name (``RolloutSettings.engine``'s ``Literal``: a test keeps them
+equal, and keeps each entry's ``options`` the type of the ``rollout`` field of the same name)."""
+
+
+def engine_kind(settings: RolloutSettings) -> EngineKind:
+    """The entry of the engine a job's ``rollout`` section chose."""
+    return ENGINES[settings.engine]
