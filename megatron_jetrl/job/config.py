@@ -205,6 +205,12 @@ class JobConfig:
             prompts.append(self.data.eval.max_prompt_tokens)
         return max(prompts) + self.rollout.sampling.max_new_tokens
 
+    @property
+    def longest_training_sequence(self) -> int:
+        """Tokens of the longest sequence a training micro-batch holds: train prompt + response (eval
+        responses are generated, never trained on)."""
+        return self.data.train.max_prompt_tokens + self.rollout.sampling.max_new_tokens
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data; ``load_job`` of it gives this config back."""
         out = to_plain(self)
@@ -370,7 +376,7 @@ def resolve(job: JobConfig, world_size: int, hf_config: Optional[dict[str, Any]]
         raise ConfigError("data.prompts_per_step", job.data.prompts_per_step,
                           f"prompts_per_step x algo.group_size must give every one of the {dp} data-parallel "
                           "ranks at least one response")
-    memory = estimate_memory(bridge, job.actor, job.rollout, longest, world_size)
+    memory = estimate_memory(bridge, job.actor, job.rollout, job.longest_training_sequence, world_size)
     return Resolved(bridge=bridge, hf_config=hf_config, world_size=world_size, dp=dp, rollout_tp=rollout_tp,
                     rollout_replicas=world_size // rollout_tp, memory=memory)
 

@@ -128,7 +128,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutSettings,
-                    longest_sequence: int, world_size: int) -> MemoryEstimate:
+                    longest_train_sequence: int, world_size: int) -> MemoryEstimate:
     d = bridge.dims
     par = actor.parallel
     dp = actor.data_parallel_size(world_size)
@@ -152,7 +152,7 @@ def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutS
     local = (per_layer * layers + edges) / par.tp
     local_linear = per_layer_linear * layers / par.tp
 
-    tokens = max(actor.max_tokens_per_microbatch, longest_sequence)
+    tokens = max(actor.max_tokens_per_microbatch, longest_train_sequence)
     h = d.hidden_size
     full_layer = tokens * h * (34 / par.tp if par.sequence_parallel else 10 + 24 / par.tp)
     if actor.recompute == "full":

@@ -155,6 +155,16 @@ def test_vllm_engine_takes_an_inline_config_and_sizes_its_sequences():
     assert e.value.key == "rollout.vllm.max_model_len"
 
 
+def test_eval_prompts_size_the_rollout_not_the_training_activations():
+    """Longer eval prompts raise the engine's context (longest_sequence) but not the activation
+    estimate: a training micro-batch holds training sequences only."""
+    job = tiny("actor.max_tokens_per_microbatch=64")
+    longer = tiny("actor.max_tokens_per_microbatch=64", "data.eval.max_prompt_tokens=100")
+    assert longer.longest_sequence == 100 + job.rollout.sampling.max_new_tokens > job.longest_sequence
+    assert longer.longest_training_sequence == job.longest_training_sequence
+    assert resolve(longer, 1).memory == resolve(job, 1).memory
+
+
 def test_bad_smoke_flag_is_refused_before_the_data_loads(capsys, monkeypatch):
     import megatron_jetrl.cli as cli
 
