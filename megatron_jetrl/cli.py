@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import yaml
 
 from megatron_jetrl import launch
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import CheckpointError, ConfigError
 from megatron_jetrl.job.estimate import gpu_capacity
 from megatron_jetrl.rollout.engines import engine_kind
 from megatron_jetrl.job import JobConfig, JobData, Resolved, load_data, load_job, missing_inputs, resolve
@@ -65,10 +65,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         # every rank of a launch reads the same config: one message, from rank 0 (an error in a
         # rank's own environment is printed by that rank)
-        rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
-        if rank == "0" or e.key.startswith("environment:"):
+        if _rank() == "0" or e.key.startswith("environment:"):
             print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except CheckpointError as e:  # every rank agreed on it (RunCheckpoints.restore_newest): one line, from rank 0
+        if _rank() == "0":
+            print(f"checkpoint error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _rank() -> str:
+    """This process's rank in its launch (the launcher's variable; 0 when started plainly)."""
+    return os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
 
 
 @dataclass
@@ -199,7 +207,6 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     # device_id every one of megatron's process groups gets one at once: 6.5 GiB per GPU for a
     # world of 1 on an H100 (benchmarks.md, "NCCL communicators"), most of them never used.
     dist.init_process_group("nccl")
-    from megatron_jetrl.models.hf_checkpoint import CheckpointError
     from megatron_jetrl.trainer import Trainer
 
     run_dir = Path(job.run.dir)
@@ -214,10 +221,6 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     trainer = Trainer(job, resolved, data, run_dir=run_dir)
     try:
         return trainer.run(preemption)
-    except CheckpointError as e:  # every rank agreed on it (Trainer._resume): one line, from rank 0
-        if dist.get_rank() == 0:
-            print(f"checkpoint error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
     finally:
         trainer.close()
         dist.destroy_process_group()
@@ -267,7 +270,6 @@ def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, pree
     import torch.distributed as dist
 
     from megatron_jetrl.launch.smoke import run_smoke
-    from megatron_jetrl.models.hf_checkpoint import CheckpointError
 
     dist.init_process_group("gloo")
     try:
@@ -276,10 +278,6 @@ def _smoke(job: JobConfig, resolved: Resolved, placement: launch.Placement, pree
         return run_smoke(placement, Path(job.run.dir), preemption, steps=job.run.steps, save_every=job.run.save_every,
                          keep_last=job.run.keep_last, parallel=job.actor.parallel, dp_size=resolved.dp,
                          rollout_tp=resolved.rollout_tp, step_seconds=step_seconds, resume=job.run.resume)
-    except CheckpointError as e:  # every rank agreed on it (smoke._resume): one line, from rank 0
-        if dist.get_rank() == 0:
-            print(f"checkpoint error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
     finally:
         dist.destroy_process_group()
 

@@ -29,17 +29,14 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_jetrl.algo import advantages as compute_advantages
 from megatron_jetrl.algo import make_policy_loss, mismatch_metrics, rollout_correction
-from megatron_jetrl.config import ConfigError
 from megatron_jetrl.data.datasets import Prompt
 from megatron_jetrl.data.filters import overlong_penalty
 from megatron_jetrl.data.rewards import build_reward
 from megatron_jetrl.data.sampler import PromptSampler
 from megatron_jetrl.job import JobConfig, JobData, Resolved
-from megatron_jetrl.models.hf_checkpoint import CheckpointError
 from megatron_jetrl.rollout import RolloutEngine, SamplingParams, build_engine
 from megatron_jetrl.colocation import Colocation
 from megatron_jetrl.experience import Group, Response, StepRollouts, prompt_major, replica_share, training_batch
@@ -280,12 +277,7 @@ class Trainer:
         """Resume from the newest complete checkpoint, or start fresh (initial weights, optional
         supervised warm-up); then the first weight sync and, on a fresh run, a step-0 evaluation.
         False when a signal stopped the warm-up."""
-        self.checkpoints.clean_stale()
-        latest = self.checkpoints.latest()
-        if latest is not None and not self.job.run.resume:
-            raise ConfigError("run.resume", False, f"{self.run_dir} has checkpoints ({latest.name}); "
-                              "use a new run.dir, or run.resume=true to continue")
-        fresh = latest is None
+        fresh = self.checkpoints.resume_point(self.job.run.resume) is None
         if fresh and self.job.sft.steps and not self.warmup.run(preemption, self._any_rank):
             return False
         self.actor = self._actor_cls(self.resolved.bridge, self.job.actor)
@@ -337,20 +329,10 @@ class Trainer:
         """Restore the newest checkpoint every rank can read; an unreadable one (a file missing,
         truncated or corrupt) is named and the one before it is tried. Raises, naming each
         checkpoint and its problem, when none can be read."""
-        problems = []
-        for checkpoint in self.checkpoints.candidates():
-            try:
-                self._restore(checkpoint)
-                problem = None
-            except (Exception, CheckpointException) as e:  # dcp's CheckpointException is a BaseException
-                problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            if not self._any_rank(problem is not None):
-                return
-            problems.append(f"{checkpoint.name}: {problem or 'unreadable on another rank'}")
-            self.console.log(f"WARNING: checkpoint {checkpoint} cannot be read ({problems[-1]}); "
-                             "trying the one before it")
-        raise CheckpointError(f"no checkpoint in {self.checkpoints.root} can be read ({'; '.join(problems)}); "
-                              "move the broken ones away, or start over in a new run.dir")
+        self.checkpoints.restore_newest(
+            self._restore, any_rank=self._any_rank,
+            warn=lambda checkpoint, problem: self.console.log(
+                f"WARNING: checkpoint {checkpoint} cannot be read ({problem}); trying the one before it"))
 
     def _restore(self, checkpoint: Path) -> None:
         state = json.loads((checkpoint / "trainer_state.json").read_text())

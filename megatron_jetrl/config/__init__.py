@@ -5,8 +5,8 @@ start-up, before any GPU work (see ``ConfigError``). ``loader`` builds the typed
 dataclasses from YAML and ``key=value`` overrides.
 """
 
-from megatron_jetrl.config.errors import ConfigError, check_integer, check_number
+from megatron_jetrl.config.errors import CheckpointError, ConfigError, check_integer, check_number
 from megatron_jetrl.config.loader import apply_overrides, build, check_fields, load_yaml, parse_override, to_plain
 
-__all__ = ["ConfigError", "check_integer", "check_number", "apply_overrides", "build", "check_fields", "load_yaml",
-           "parse_override", "to_plain"]
+__all__ = ["CheckpointError", "ConfigError", "check_integer", "check_number", "apply_overrides", "build",
+           "check_fields", "load_yaml", "parse_override", "to_plain"]

@@ -1,4 +1,5 @@
-"""The one error type for invalid configuration."""
+"""The error types for bad input: a config value (``ConfigError``) and a checkpoint on disk
+(``CheckpointError``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ class ConfigError(ValueError):
         self.got = got
         self.allowed = allowed
         super().__init__(f"{key}: got {got!r}; {allowed}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is missing something or has the wrong shape; the message names it."""
 
 
 def check_integer(key: str, value: object, *, minimum: int | None = None) -> None:

@@ -27,10 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_jetrl.config import ConfigError
 from megatron_jetrl.launch.placement import Placement
 from megatron_jetrl.models import ParallelLayout
-from megatron_jetrl.models.hf_checkpoint import CheckpointError
 from megatron_jetrl.runtime.run_checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.signals import EXIT_PREEMPTED, PreemptionSignal, any_rank
 from megatron_jetrl.sync.plan import train_rank
@@ -85,12 +83,7 @@ def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal,
     handles = {kind: [(members, dist.new_group(members)) for members in ranks]
                for kind, ranks in layout.items()}
     checkpoints = RunCheckpoints(run_dir / "smoke", keep_last, rank, world, barrier=dist.barrier)
-    checkpoints.clean_stale()
-    latest = checkpoints.latest()
-    if latest is not None and not resume:
-        raise ConfigError("run.resume", False, f"{run_dir / 'smoke'} has checkpoints ({latest.name}); "
-                          "use a new run.dir, or run.resume=true to continue")
-    step = 0 if latest is None else _resume(checkpoints, say)
+    step = 0 if checkpoints.resume_point(resume) is None else _resume(checkpoints, say)
 
     while step < steps:
         step += 1
@@ -116,24 +109,19 @@ def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal,
 def _resume(checkpoints: RunCheckpoints, say) -> int:
     """The step of the newest checkpoint whose ``state.json`` every rank can read; one that cannot
     be read (missing, not UTF-8, not JSON, another step) is named and the one before it tried."""
-    problems = []
-    for checkpoint in checkpoints.candidates():
-        path = checkpoint / "state.json"
+
+    def read(checkpoint: Path) -> None:
         step = checkpoints.step_of(checkpoint)
-        try:
-            state = json.loads(path.read_text(encoding="utf-8"))
-            if not (isinstance(state, dict) and type(state.get("step")) is int and state["step"] == step):
-                raise ValueError(f"holds {str(state)[:80]}, not {{'step': {step}}}")
-            problem = None
-        except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        if not any_rank(problem is not None):  # gloo: reduced on the CPU
-            say(f"smoke: resumed from {checkpoint} (step {step})", flush=True)
-            return step
-        problems.append(f"{path}: {problem or 'unreadable on another rank'}")
-        say(f"smoke: WARNING: {problems[-1]}; trying the checkpoint before it", flush=True)
-    raise CheckpointError(f"no checkpoint in {checkpoints.root} can be read ({'; '.join(problems)}); "
-                          "move the broken ones away, or start over in a new run.dir")
+        state = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))
+        if not (isinstance(state, dict) and type(state.get("step")) is int and state["step"] == step):
+            raise ValueError(f"holds {str(state)[:80]}, not {{'step': {step}}}")
+
+    checkpoint = checkpoints.restore_newest(
+        read, any_rank=any_rank, label=lambda c: str(c / "state.json"),  # gloo: any_rank reduces on the CPU
+        warn=lambda _, problem: say(f"smoke: WARNING: {problem}; trying the checkpoint before it", flush=True))
+    step = checkpoints.step_of(checkpoint)
+    say(f"smoke: resumed from {checkpoint} (step {step})", flush=True)
+    return step
 
 
 def _check_table(table: list[dict], tp_groups: list[list[int]]) -> None:

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 
 import torch
 
+from megatron_jetrl.config import CheckpointError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER_FILES = (
@@ -37,10 +39,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-
-
-class CheckpointError(ValueError):
-    """A checkpoint on disk is missing something or has the wrong shape; the message names it."""
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,

@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron_jetrl.config import CheckpointError, ConfigError
 from megatron_jetrl.runtime.atomic import fsync_dir, save_json_atomic, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -171,6 +174,37 @@ class RunCheckpoints:
                 logger.warning(warning)
                 self._warned = warning
         return found
+
+    def resume_point(self, resume: bool) -> Optional[Path]:
+        """Collective. Start of a run: what a crash left is cleaned up (``clean_stale``), then the
+        newest complete checkpoint to resume from, or None for a fresh start. ConfigError on
+        ``run.resume`` when ``resume`` is false and there is one."""
+        self.clean_stale()
+        latest = self.latest()
+        if latest is not None and not resume:
+            raise ConfigError("run.resume", False, f"{self.root.parent} has checkpoints ({latest.name}); "
+                              "use a new run.dir, or run.resume=true to continue")
+        return latest
+
+    def restore_newest(self, restore: Callable[[Path], object], *, any_rank: Callable[[bool], bool],
+                       warn: Callable[[Path, str], None], label: Callable[[Path], str] = lambda c: c.name) -> Path:
+        """Collective. ``restore`` the newest checkpoint every rank can read (``candidates()`` order),
+        and return it. One that fails on any rank (a file missing, truncated or corrupt) is passed
+        to ``warn`` with its problem (``label(checkpoint): error``) and the one before it is tried;
+        ``CheckpointError`` naming each checkpoint and its problem when none can be read."""
+        problems = []
+        for checkpoint in self.candidates():
+            try:
+                restore(checkpoint)
+                problem = None
+            except (Exception, CheckpointException) as e:  # dcp's CheckpointException is a BaseException
+                problem = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if not any_rank(problem is not None):
+                return checkpoint
+            problems.append(f"{label(checkpoint)}: {problem or 'unreadable on another rank'}")
+            warn(checkpoint, problems[-1])
+        raise CheckpointError(f"no checkpoint in {self.root} can be read ({'; '.join(problems)}); "
+                              "move the broken ones away, or start over in a new run.dir")
 
     def candidates(self) -> list[Path]:
         """Complete checkpoints to resume from, best first: ``latest()``, then the older complete
