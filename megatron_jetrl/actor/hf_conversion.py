@@ -62,7 +62,6 @@ VOCAB_CHUNK_BYTES = 64 * 2**20
 """Row-block size of the embedding / output layer when streamed (a decoder layer's order)."""
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Dtypes a model tensor may have in either checkpoint; the conversion keeps each tensor's dtype."""
-_WEIGHT_DTYPE_NAMES = "bfloat16, float16 or float32"
 MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                   "common_backend": "torch", "common_backend_version": 1}
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -206,7 +205,7 @@ def check_hf_sources(bridge: ModelBridge, hf: HFCheckpoint) -> None:
             if dtype not in WEIGHT_DTYPES:
                 raise CheckpointError(
                     f"HF tensor {name} in {hf.path / hf.weight_map[name]} is {_dtype_name(dtype)}; "
-                    f"{bridge.architecture} needs a floating-point tensor there ({_WEIGHT_DTYPE_NAMES}): the file is "
+                    f"{bridge.architecture} needs a floating-point tensor there ({_weight_dtype_names()}): the file is "
                     "corrupt or not this model's weights; convert from the original BF16 checkpoint")
         if len(set(dtypes.values())) > 1:
             found = ", ".join(f"{name} {_dtype_name(d)}" for name, d in dtypes.items())
@@ -216,6 +215,12 @@ def check_hf_sources(bridge: ModelBridge, hf: HFCheckpoint) -> None:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _weight_dtype_names() -> str:
+    """``WEIGHT_DTYPES`` for a message: "bfloat16, float16 or float32"."""
+    *head, last = map(_dtype_name, WEIGHT_DTYPES)
+    return f"{', '.join(head)} or {last}"
 
 
 def _dcp(operation: Callable[[], None]) -> None:
@@ -347,7 +352,7 @@ def read_megatron_as_hf(
         dtype = meta.state_dict_metadata[checkpoint_key(spec)].properties.dtype
         if dtype not in WEIGHT_DTYPES:
             raise CheckpointError(f"checkpoint {ckpt} stores {checkpoint_key(spec)!r} as {_dtype_name(dtype)}; model "
-                                  f"weights are {_WEIGHT_DTYPE_NAMES}: convert it again from the BF16 HF checkpoint")
+                                  f"weights are {_weight_dtype_names()}: convert it again from the BF16 HF checkpoint")
     plan = [(name, meta.state_dict_metadata[checkpoint_key(spec)].properties.dtype, shape)
             for specs in groups.values() for spec in specs
             for name, shape in zip(spec.hf, bridge.hf_shapes(spec), strict=True)]

@@ -30,7 +30,6 @@ class EngineKind:
     must have, each a callable raising ``ConfigError`` naming the fix; ``build``: the factory."""
 
     name: str
-    summary: str
     options: type
     exact: bool
     environment: Callable[["PrecisionRecipe", Any], dict[str, str]]
@@ -68,12 +67,10 @@ def _vllm_requirements(options: VllmOptions) -> list[Callable[[], object]]:
 
 ENGINES: dict[str, EngineKind] = {
     "hf": EngineKind(
-        name="hf", summary="transformers model with the trainer's FP8 linears (CPU too; rollout TP 1)",
-        options=HfOptions, exact=False, environment=lambda recipe, options: {},
+        name="hf", options=HfOptions, exact=False, environment=lambda recipe, options: {},
         requirements=lambda options: [], build=_build_hf),
     "vllm": EngineKind(
-        name="vllm", summary="vLLM in-process, colocated (production)",
-        options=VllmOptions, exact=True, environment=_vllm_environment,
+        name="vllm", options=VllmOptions, exact=True, environment=_vllm_environment,
         requirements=_vllm_requirements, build=_build_vllm),
 }
 """The engines, by ``rollout.engine`` name (``RolloutSettings.engine``'s ``Literal``: a test keeps them
