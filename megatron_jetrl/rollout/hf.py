@@ -44,6 +44,7 @@ from megatron_jetrl.rollout.hf_decode import ATTENTION, generate_samples, slot_a
 from megatron_jetrl.rollout.hf_model import build_model, fp8_module_names
 from megatron_jetrl.rollout.settings import HfOptions
 
+
 class HfEngine:
     """``RolloutEngine`` on a transformers model (see the module docstrings of hf, hf_model, hf_decode).
 
