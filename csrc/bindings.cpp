@@ -4,6 +4,7 @@
 #include "copy_segments.h"
 #include "quantize.h"
 #include "rms_norm.h"
+#include "rope.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron-jetrl kernels: fused FP8 E4M3 block quantization, batched 2-D byte copies";
@@ -15,5 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("srcs"), py::arg("dsts"), py::arg("table"));
   m.def("rms_norm", &jetrl::rms_norm, "batch-invariant RMSNorm, fixed reduction order (see rms_norm.h)",
         py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("rope", &jetrl::rope, "rotary embedding of the exact forward, megatron's rounding (see rope.h)",
+        py::arg("x"), py::arg("positions"), py::arg("inv_freq"));
   m.def("with_cuda", &jetrl::with_cuda, "whether the CUDA kernels were compiled in");
 }

@@ -13,9 +13,10 @@ ordinary gradient (the backward never has to match anything):
   same q, k, v.
 - FP8 linears keep ``fp8_block_linear`` with its FProp GEMM swapped for vLLM's CUTLASS call
   (``VllmKernels.fp8_gemm``); DGrad and WGrad stay the trainer's.
-- RoPE, SiLU·mul, the residual adds and the embedding need nothing here: megatron computes them
-  with the same eager ops as ``ops.exact.rope`` / ``silu_mul`` (the layers route RoPE through it),
-  and vLLM runs those definitions.
+- ``exact_rope``: forward with ``ops.exact.rope`` (the kernel vLLM's rotary embedding runs),
+  backward through its eager reference recomputed from the saved input.
+- SiLU·mul, the residual adds and the embedding need nothing here: megatron computes them with the
+  same eager ops as ``ops.exact.silu_mul``, and vLLM runs that definition.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from megatron_jetrl.ops.exact import VllmKernels, paged_kv
+from megatron_jetrl.ops.exact import VllmKernels, paged_kv, rope, rope_inv_freq, rope_reference
 from megatron_jetrl.ops.rms_norm import rms_norm
 
 
@@ -65,6 +66,27 @@ class ExactRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ExactRmsNormFn.apply(x, self.weight, self.eps)
+
+
+class _ExactRopeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, positions, inv_freq):
+        ctx.save_for_backward(positions, inv_freq)
+        return rope(t, positions, inv_freq)
+
+    @staticmethod
+    def backward(ctx, dy):
+        positions, inv_freq = ctx.saved_tensors
+        with torch.enable_grad():  # linear in t: the reference's gradient needs no saved input
+            t = torch.zeros(dy.shape, dtype=dy.dtype, device=dy.device, requires_grad=True)
+            (dt,) = torch.autograd.grad(rope_reference(t, positions, inv_freq), t, dy)
+        return dt, None, None
+
+
+def exact_rope(t_THD: torch.Tensor, positions_T: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary embedding of t [T, H, D] at each token's position with the kernel vLLM's rotary
+    embedding runs in the exact mode (``ops.exact.rope``), frequencies ``rope_inv_freq(D, base)``."""
+    return _ExactRopeFn.apply(t_THD, positions_T, rope_inv_freq(t_THD.shape[-1], base, t_THD.device))
 
 
 class _ExactLinearFn(torch.autograd.Function):

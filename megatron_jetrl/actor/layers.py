@@ -22,7 +22,8 @@
 - The exact mode (``precision.exact``, ``actor/exact.py``): the norms become ``ExactRMSNorm``, the
   linears of BF16 layers and the LM head compute their forward GEMM with vLLM's batch-invariant
   matmul, FP8 FProp with vLLM's CUTLASS call, attention with vLLM's FlashAttention over paged K/V,
-  and RoPE with ``ops.exact.rope``; the actor hands the kernels to the modules after construction.
+  and RoPE with ``ops.exact.rope`` (``actor.exact.exact_rope``); the actor hands the kernels to
+  the modules after construction.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.attention import varlen
 
-from megatron_jetrl.actor.exact import ExactRMSNorm, exact_attention, exact_forward_impl, parallel_linear_input
+from megatron_jetrl.actor.exact import (ExactRMSNorm, exact_attention, exact_forward_impl, exact_rope,
+                                        parallel_linear_input)
 from megatron_jetrl.ops.exact import VllmKernels
-from megatron_jetrl.ops.exact import rope as exact_rope
 from megatron_jetrl.precision import Fp8Quantizer, Fp8Weight, Fp8WeightCache, fp8_block_linear
 from megatron_jetrl.precision.kv_cache import KvAmaxObserver
 from megatron_jetrl.precision.gemm import GemmBackend

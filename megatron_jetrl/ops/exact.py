@@ -9,7 +9,8 @@ Two kinds, one list (``EXACT_OPS``):
   ``rms_norm`` (``ops/rms_norm.py``: a kernel with a fixed reduction order; the residual add before it is a
   plain BF16 add on both sides), ``silu_mul`` (``silu(gate) * up`` as eager torch ops, megatron's
   SwiGLU rounding) and ``rope`` (megatron's rotary formula and frequencies, computed from each
-  token's position). Each is a ``torch.library`` custom op (``jetrl::...``), opaque to
+  token's position; one kernel, ``csrc/rope_cuda.cu``, beside its eager reference
+  ``rope_reference``). Each is a ``torch.library`` custom op (``jetrl::...``), opaque to
   torch.compile, so vLLM's compiled graph cannot fuse it into something that rounds differently.
 - **vLLM's own batch-invariant kernels** (what its layers call with ``VLLM_BATCH_INVARIANT=1``),
   which the trainer's forward calls too (``VllmKernels``): the BF16 GEMM (the LM head, and the
@@ -34,6 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from megatron_jetrl.ops.extension import load_extension
 from megatron_jetrl.ops.rms_norm import rms_norm
 from megatron_jetrl.precision import Fp8Tensor
 
@@ -66,27 +68,37 @@ def rope_inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.T
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
-def rope(t_THD: torch.Tensor, positions_T: torch.Tensor, base: float) -> torch.Tensor:
+def rope_reference(t_THD: torch.Tensor, positions_T: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (non-interleaved halves, the whole head dim rotated) of ``t`` [T, H, D] at
-    each token's position: megatron's formula, bit for bit (``_apply_rotary_pos_emb_bshd`` with its
-    ``outer(arange, inv_freq)`` frequencies gathered by position): cos and sin in fp32, rounded to
-    t's dtype, then ``t * cos + rotate_half(t) * sin`` with each op rounded. The frequencies are
-    computed from the positions at every call (a few small kernels): no cached buffer that a CUDA
-    graph's memory pool could own."""
+    each token's position, as eager torch ops: megatron's formula, bit for bit
+    (``_apply_rotary_pos_emb_bshd`` with its ``outer(arange, inv_freq)`` frequencies gathered by
+    position): cos and sin in fp32, rounded to t's dtype, then ``t * cos + rotate_half(t) * sin``
+    with each op rounded. ``inv_freq`` [D / 2] fp32 is ``rope_inv_freq``'s."""
     if t_THD.dim() != 3:
         raise ValueError(f"rope takes [tokens, heads, head_dim]; got shape {tuple(t_THD.shape)}")
-    freqs = positions_T.to(torch.float32)[:, None] * rope_inv_freq(t_THD.shape[-1], base, t_THD.device)[None, :]
+    freqs = positions_T.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     cos, sin = torch.cos(emb).to(t_THD.dtype), torch.sin(emb).to(t_THD.dtype)
     x1, x2 = t_THD.chunk(2, dim=-1)
     return t_THD * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rope(t_THD: torch.Tensor, positions_T: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``rope_reference``'s values in one kernel on CUDA (csrc/rope_cuda.cu: the same roundings, and
+    the CUDA math library's cosf / sinf, which torch's cos / sin call; equal bit for bit, tested);
+    a new contiguous [T, H, D]. Elsewhere (the CPU, where no exact forward runs) the reference.
+    The eager reference costs some 16 kernels a call, which a decode step pays twice a layer."""
+    if not t_THD.is_cuda:
+        return rope_reference(t_THD, positions_T, inv_freq)
+    return load_extension().rope(t_THD, positions_T, inv_freq)
+
+
 @functools.cache
 def custom_ops() -> Any:
     """``torch.ops.jetrl`` with the exact ops registered (once per process): ``rms_norm(x, w, eps)``,
     ``add_rms_norm(x, residual, w, eps) -> (normed, x + residual)``, ``silu_mul(x)`` and
-    ``rope(positions, q, k, head_dim, base) -> (q, k)`` (q, k flat [T, H*D] as vLLM passes them)."""
+    ``rope(positions, q, k, inv_freq) -> (q, k)`` (q, k [T, H*D] as vLLM passes them: rows of any
+    stride, each row contiguous; new contiguous outputs)."""
 
     @torch.library.custom_op("jetrl::rms_norm", mutates_args=())
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,16 +127,17 @@ def custom_ops() -> Any:
         return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
     @torch.library.custom_op("jetrl::rope", mutates_args=())
-    def _rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int,
-              base: float) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = positions.reshape(-1)
-        q = rope(query.reshape(flat.numel(), -1, head_dim), flat, base).reshape(query.shape)
-        k = rope(key.reshape(flat.numel(), -1, head_dim), flat, base).reshape(key.shape)
+    def _rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+              inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat, head_dim = positions.reshape(-1), 2 * inv_freq.numel()
+        q = rope(query.reshape(flat.numel(), -1, head_dim), flat, inv_freq).view(query.shape)
+        k = rope(key.reshape(flat.numel(), -1, head_dim), flat, inv_freq).view(key.shape)
         return q, k
 
     @_rope.register_fake
-    def _(positions, query, key, head_dim, base):
-        return torch.empty_like(query), torch.empty_like(key)
+    def _(positions, query, key, inv_freq):
+        return torch.empty_like(query, memory_format=torch.contiguous_format), \
+            torch.empty_like(key, memory_format=torch.contiguous_format)
 
     return torch.ops.jetrl
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 
-from megatron_jetrl.ops.exact import KV_PAGE, custom_ops, vllm_kernels
+from megatron_jetrl.ops.exact import KV_PAGE, custom_ops, rope_inv_freq, vllm_kernels
 
 _REPLACED = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
 
@@ -90,11 +91,15 @@ def install() -> None:
                 raise RuntimeError(f"precision.exact: rotary embedding with is_neox_style={self.is_neox_style}, "
                                    f"rotary_dim={self.rotary_dim} of head_size={self.head_size} has no exact "
                                    "kernel (the whole head, non-interleaved halves)")
+            # the trainer's frequencies, computed once where vLLM builds the model (the GPU), by the
+            # same torch ops; a buffer, so vLLM keeps it across a level-2 sleep as its own cos/sin cache
+            inv_freq = rope_inv_freq(self.head_size, float(self.base), self.cos_sin_cache.device)
+            self.register_buffer("jetrl_inv_freq", inv_freq, persistent=False)
 
         def forward_native(self, positions, query, key=None):
             if key is None:
                 raise RuntimeError("precision.exact: a rotary embedding without key has no exact kernel")
-            return ops.rope(positions, query, key, self.head_size, float(self.base))
+            return ops.rope(positions, query, key, self.jetrl_inv_freq)
 
         forward_cuda = forward_native
 
@@ -185,4 +190,6 @@ def replaced_modules(model: Any) -> tuple[dict, list[str]]:
             counts[kind] += 1
             if not getattr(type(module), "jetrl_exact", False):
                 wrong.append(f"{name}: {type(module).__qualname__}")
+            elif kind == "rotary" and module.jetrl_inv_freq.dtype != torch.float32:
+                wrong.append(f"{name}: rotary frequencies in {module.jetrl_inv_freq.dtype}, not float32")
     return counts, wrong

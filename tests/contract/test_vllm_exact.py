@@ -12,7 +12,7 @@ vllm = pytest.importorskip("vllm", reason="vllm not installed; runs in the vLLM 
 import torch  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 
-from megatron_jetrl.ops.exact import KV_PAGE, rope, silu_mul  # noqa: E402
+from megatron_jetrl.ops.exact import KV_PAGE, rope_inv_freq, rope_reference, silu_mul  # noqa: E402
 from megatron_jetrl.ops.rms_norm import rms_norm_reference  # noqa: E402
 from megatron_jetrl.precision import PrecisionMode, PrecisionRecipe  # noqa: E402
 from megatron_jetrl.rollout import vllm_exact  # noqa: E402
@@ -62,9 +62,12 @@ def test_every_norm_activation_and_rotary_is_the_exact_op(exact_model):
         q = torch.randn(5, attn.q_size, generator=g).to(torch.bfloat16)
         k = torch.randn(5, attn.kv_size, generator=g).to(torch.bfloat16)
         rq, rk = attn.rotary_emb(pos, q, k)
-        d = attn.head_dim
-        assert torch.equal(rq, rope(q.view(5, -1, d), pos, attn.rotary_emb.base).view(5, -1))
-        assert torch.equal(rk, rope(k.view(5, -1, d), pos, attn.rotary_emb.base).view(5, -1))
+        d, inv = attn.head_dim, rope_inv_freq(attn.head_dim, float(attn.rotary_emb.base), q.device)
+        assert torch.equal(attn.rotary_emb.jetrl_inv_freq, inv)  # the trainer's frequencies, kept as a buffer
+        # a buffer of the model: vLLM saves and restores those around a level-2 sleep
+        assert any(name.endswith("rotary_emb.jetrl_inv_freq") for name, _ in model.named_buffers())
+        assert torch.equal(rq, rope_reference(q.view(5, -1, d), pos, inv).view(5, -1))
+        assert torch.equal(rk, rope_reference(k.view(5, -1, d), pos, inv).view(5, -1))
         # vLLM compiles the model in one graph: each op stays one opaque call with the same values
         compiled = torch.compile(lambda a, b: layer.input_layernorm(a, b), fullgraph=True, backend="aot_eager")
         c_normed, c_total = compiled(x, r)

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
 
-from megatron_jetrl.actor.exact import ExactRMSNorm  # noqa: E402
+from megatron_jetrl.actor.exact import ExactRMSNorm, exact_rope  # noqa: E402
 from megatron_jetrl.actor.layers import EXACT_ATTR, apply_rotary_pos_emb_packed, packed_positions  # noqa: E402
 from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megatron_jetrl.algo import mismatch_metrics  # noqa: E402
@@ -24,7 +24,7 @@ from megatron_jetrl.config import ConfigError  # noqa: E402
 from megatron_jetrl.job import load_job  # noqa: E402
 from megatron_jetrl.job.config import check_exact_model, resolve  # noqa: E402
 from megatron_jetrl.models import bridge_for  # noqa: E402
-from megatron_jetrl.ops.exact import custom_ops, paged_kv, rope, rope_inv_freq, silu_mul  # noqa: E402
+from megatron_jetrl.ops.exact import custom_ops, paged_kv, rope, rope_inv_freq, rope_reference, silu_mul  # noqa: E402
 from megatron_jetrl.ops.extension import load_extension  # noqa: E402
 from megatron_jetrl.ops.rms_norm import rms_norm_reference  # noqa: E402
 from megatron_jetrl.precision import PrecisionMode, PrecisionRecipe  # noqa: E402
@@ -59,8 +59,9 @@ def test_rope_is_megatrons_formula_and_frequencies(dtype):
     angles = torch.outer(torch.arange(max(lengths), dtype=torch.float32), rope_inv_freq(dim, base, t.device))
     freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
     want = apply_rotary_pos_emb(t, freqs, CONFIG, cu_seqlens=cu, cp_group=ONE_RANK)
-    got = rope(t, packed_positions(cu, tokens), base)
+    got = rope_reference(t, packed_positions(cu, tokens), rope_inv_freq(dim, base, t.device))
     assert torch.equal(got, want)
+    assert torch.equal(rope(t, packed_positions(cu, tokens), rope_inv_freq(dim, base, t.device)), want)  # CPU
     # and megatron's attention reaches it in an exact-mode model
     exact_config = SimpleNamespace(**vars(CONFIG), **{EXACT_ATTR: base})
     assert torch.equal(apply_rotary_pos_emb_packed(t, freqs, exact_config, cu_seqlens=cu, cp_group=ONE_RANK), want)
@@ -95,19 +96,21 @@ def test_custom_ops_are_the_functions_and_trace_as_one_call():
     pos = torch.tensor([0, 1, 2, 0, 5, 9])
     q = torch.randn(6, 2 * 128, generator=g).to(torch.bfloat16)
     k = torch.randn(6, 128, generator=g).to(torch.bfloat16)
-    rq, rk = ops.rope(pos, q, k, 128, 10000.0)
-    assert torch.equal(rq, rope(q.view(6, 2, 128), pos, 10000.0).view(6, 256))
-    assert torch.equal(rk, rope(k.view(6, 1, 128), pos, 10000.0).view(6, 128))
+    inv = rope_inv_freq(128, 10000.0, q.device)
+    qkv = torch.cat([q, k, k], dim=1)  # vLLM passes q and k as column slices of one qkv tensor
+    rq, rk = ops.rope(pos, qkv[:, :256], qkv[:, 256:384], inv)
+    assert torch.equal(rq, rope_reference(q.view(6, 2, 128), pos, inv).view(6, 256))
+    assert torch.equal(rk, rope_reference(k.view(6, 1, 128), pos, inv).view(6, 128))
 
     def layer(x, r, w, gu, pos, q, k):
         n, t = ops.add_rms_norm(x, r, w, 1e-6)
-        return n, t, ops.silu_mul(gu), *ops.rope(pos, q, k, 128, 10000.0)
+        return n, t, ops.silu_mul(gu), *ops.rope(pos, q, k, inv)
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, r, w, gu, pos, q, k)
     for got, want in zip(compiled, layer(x, r, w, gu, pos, q, k), strict=True):
         assert torch.equal(got, want)
     for op, args in ((torch.ops.jetrl.rms_norm, (x, w, 1e-6)), (torch.ops.jetrl.add_rms_norm, (x, r, w, 1e-6)),
-                     (torch.ops.jetrl.silu_mul, (gu,)), (torch.ops.jetrl.rope, (pos, q, k, 128, 10000.0))):
+                     (torch.ops.jetrl.silu_mul, (gu,)), (torch.ops.jetrl.rope, (pos, q, k, inv))):
         torch.library.opcheck(op, args)
 
 
@@ -294,3 +297,29 @@ def test_the_exact_trainer_skips_the_recompute_and_measures_the_update_forward()
     off[4] = torch.nextafter(off[4], torch.tensor(0.0))
     m = Trainer.update(_trainer_double(True, off), prepared)
     assert m["rollout_corr/unequal_tokens"] == 1 and m["rollout_corr/max_abs_dlogp"] > 0
+
+
+def test_trainer_rope_gradient_is_the_references():
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(9, 2, 64, generator=g) * 2).to(torch.bfloat16).requires_grad_()
+    positions = torch.tensor([0, 1, 2, 3, 0, 1, 40000, 7, 8])
+    inv = rope_inv_freq(64, 10000.0, x.device)
+    y = exact_rope(x, positions, 10000.0)
+    assert torch.equal(y, rope_reference(x.detach(), positions, inv))
+    dy = torch.randn(y.shape, generator=g).to(y.dtype)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    xr = x.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(rope_reference(xr, positions, inv), xr, dy)
+    assert torch.equal(dx, want)
+
+
+@needs_extension
+def test_rope_kernel_names_what_is_wrong():
+    ext = load_extension()
+    x, pos, inv = torch.zeros(4, 2, 64), torch.arange(4), torch.ones(32)
+    with pytest.raises(RuntimeError, match="runs on CUDA"):
+        ext.rope(x, pos, inv)
+    with pytest.raises(RuntimeError, match=r"3-D \[T, H, D\]"):
+        ext.rope(x.view(4, 128), pos, inv)
+    with pytest.raises(RuntimeError, match="must be even"):
+        ext.rope(torch.zeros(4, 2, 63), pos, inv)
