@@ -356,10 +356,10 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         self.console.close()
+        if self.actor is not None:  # first: the engine's close takes its whole share of the GPU back for a moment
+            self.actor.close()
         if self.engine is not None:
             self.engine.close()
-        if self.actor is not None:
-            self.actor.close()
 
     # ------------------------------------------------------------------ helpers
 

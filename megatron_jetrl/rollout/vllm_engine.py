@@ -45,6 +45,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -219,6 +220,17 @@ def _check_no_requantization(vllm_module: ModuleType) -> None:
                           "power-of-two scales; export VLLM_USE_DEEP_GEMM_E8M0=0 (or precision.fp8.pow2_scales=true)")
 
 
+def _release_cumem_pools() -> None:
+    """Free the memory pools of vLLM's sleep-mode allocator now (vLLM would at exit), while
+    their memory is mapped; nothing to do where vLLM never loaded it (no sleep mode, no CUDA)."""
+    cumem = sys.modules.get("vllm.device_allocator.cumem")
+    allocator = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
+    if allocator is not None:
+        allocator.release_pools()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 class VllmEngine:
     """``RolloutEngine`` on an in-process vLLM (see the module docstring).
 
@@ -359,15 +371,24 @@ class VllmEngine:
             self._awake = {"weights": True, "kv_cache": True}
 
     def close(self) -> None:
-        """Release the engine's GPU memory (weights and KV cache discarded, as in a level-2 sleep).
-        vLLM's own shutdown is not called: in-process under the external launcher it tears down
-        torch.distributed's default process group, which belongs to the job (the launcher destroys
-        it at exit), and while asleep it fails to unmap the discarded memory."""
+        """Release the engine's GPU memory. vLLM's own shutdown is not called: in-process under the
+        external launcher it tears down torch.distributed's default process group, which belongs to
+        the job (the launcher destroys it at exit).
+
+        Memory that a sleep unmapped is mapped back first (its contents are not needed): vLLM's
+        allocator unmaps every allocation it frees, and freeing one that is already unmapped fails
+        on CUDA ("invalid argument" from cumem_allocator.cpp, at exit). Then the engine is dropped
+        and the allocator's pools released while everything in them is still mapped. Close the
+        trainer's model first: waking takes back the engine's whole share of the GPU for a moment."""
         if self._llm is not None:
-            if any(self._awake.values()):
-                self._llm.sleep(level=2)
+            asleep = [tag for tag, awake in self._awake.items() if not awake]
+            if asleep:
+                self._llm.wake_up(tags=asleep)
+                self._awake = dict.fromkeys(self._awake, True)
             self._llm = None
             gc.unfreeze()  # vLLM froze the objects of the process at start-up, as its shutdown would undo
+            gc.collect()
+            _release_cumem_pools()
         if self._model_dir is not None:
             shutil.rmtree(self._model_dir, ignore_errors=True)
             self._model_dir = None

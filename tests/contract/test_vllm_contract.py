@@ -309,6 +309,20 @@ def test_engine_updates_sleeps_and_wakes(engine_on_cpu):
     assert llm.calls[-1] == ("reset_prefix_cache",)  # cached KV of the old weights is dropped first
 
 
+def test_engine_close_maps_slept_memory_back_before_letting_go(engine_on_cpu):
+    """Freeing memory that a sleep unmapped makes vLLM's allocator unmap it a second time (a CUDA
+    "invalid argument" at exit): close wakes what sleeps, never sleeps, then drops the engine."""
+    engine, _ = engine_on_cpu
+    llm = engine._llm
+    engine.sleep()
+    assert llm.calls[-1] == ("sleep", 2)
+    engine.close()
+    assert llm.calls[-1] == ("wake_up", ["weights", "kv_cache"])
+    assert engine._llm is None
+    engine.close()  # twice is fine
+    assert llm.calls[-1] == ("wake_up", ["weights", "kv_cache"])
+
+
 def test_engine_weight_buffers_are_the_live_parameters(engine_on_cpu):
     """What the weight sync does with an in-place engine: raw bytes into ``weight_buffers()``, the
     rest through ``update_weights``; a reload engine offers no buffers."""
