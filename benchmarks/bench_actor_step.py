@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
 from megatron_jetrl.algo import ppo_clip_loss  # noqa: E402
 from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
+from benchmarks.headline import Figure, command_line, update  # noqa: E402
 from benchmarks.model_shapes import lm_head_flop_share, qwen3_shaped  # noqa: E402
 from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
 
@@ -56,13 +58,16 @@ def log(what: str) -> None:
               f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", file=sys.stderr, flush=True)
 
 
-def timed(fn, steps: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+def timed(fn, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls (the GPU synchronized around each)."""
+    out = []
     for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return out
 
 
 MODES = {"bf16": ("bf16", "native"), "fp8": ("fp8", "native"), "fp8-te": ("fp8", "te")}
@@ -88,8 +93,9 @@ def run_mode(mode: str, args, bridge) -> dict:
         actor.update(batch, ppo_clip_loss)
         log(f"{mode}: warmup step {i}")
     torch.cuda.reset_peak_memory_stats()
-    step_s = timed(lambda: actor.update(batch, ppo_clip_loss), args.steps)
-    logprob_s = timed(lambda: actor.compute_logprobs(batch), args.steps)
+    step_all = timed(lambda: actor.update(batch, ppo_clip_loss), args.steps)
+    logprob_all = timed(lambda: actor.compute_logprobs(batch), args.steps)
+    step_s, logprob_s = statistics.median(step_all), statistics.median(logprob_all)
     peak = torch.cuda.max_memory_allocated()
     profile = kernel_split(lambda: actor.update(batch, ppo_clip_loss)) if args.profile else None
     lp_profile = kernel_split(lambda: actor.compute_logprobs(batch)) if args.profile else None
@@ -100,7 +106,8 @@ def run_mode(mode: str, args, bridge) -> dict:
     log(f"{mode}: closed")
     tokens = batch.tokens.numel()
     world = dist.get_world_size()
-    return {"mode": mode, "step_s": step_s, "logprob_s": logprob_s, "tokens": tokens,
+    return {"mode": mode, "step_s": step_s, "logprob_s": logprob_s, "step_s_all": step_all,
+            "logprob_s_all": logprob_all, "tokens": tokens,
             "step_tok_s_gpu": tokens / step_s / world, "logprob_tok_s_gpu": tokens / logprob_s / world,
             "peak_gib": peak / 2**30, "profile_ms": profile and profile["classes"],
             "top_kernels_ms": profile and profile["top"], "top_ops_ms": profile and profile["ops"],
@@ -214,19 +221,18 @@ def main() -> int:
                     print(f"  {n:>5}  {where}")
         by = {r["mode"]: r for r in rows}
         if "bf16" in by and "fp8" in by:
-            step_x, lp_x = by["bf16"]["step_s"] / by["fp8"]["step_s"], by["bf16"]["logprob_s"] / by["fp8"]["logprob_s"]
-            print(f"FP8 / BF16 speed-up: step {step_x:.2f}x, logprob pass {lp_x:.2f}x")
+            step_x = Figure.ratio(by["bf16"]["step_s_all"], by["fp8"]["step_s_all"])
+            lp_x = Figure.ratio(by["bf16"]["logprob_s_all"], by["fp8"]["logprob_s_all"])
+            print(f"FP8 / BF16 speed-up (median of {step_x.repeats} steps): step {step_x.value:.2f}x "
+                  f"({step_x.spread[0]:.2f}-{step_x.spread[1]:.2f}), logprob pass {lp_x.value:.2f}x "
+                  f"({lp_x.spread[0]:.2f}-{lp_x.spread[1]:.2f})")
             headline = {"actor_step_fp8_over_bf16": step_x, "logprob_fp8_over_bf16": lp_x}
             if "fp8-te" in by:
-                te_x = by["bf16"]["step_s"] / by["fp8-te"]["step_s"]
-                print(f"Transformer Engine FP8 / BF16 speed-up: step {te_x:.2f}x")
+                te_x = Figure.ratio(by["bf16"]["step_s_all"], by["fp8-te"]["step_s_all"])
+                print(f"Transformer Engine FP8 / native BF16 speed-up: step {te_x.value:.2f}x")
                 headline["actor_step_te_fp8_over_bf16"] = te_x
             if args.headline:
-                from benchmarks.headline import update
-
-                update(args.headline, headline,
-                       device=name, command="torchrun --nproc-per-node 1 -m benchmarks.bench_actor_step "
-                       f"--model {args.model} --layers {args.layers} --logprob-impl {args.logprob_impl}")
+                update(args.headline, headline, device=name, command=command_line("benchmarks.bench_actor_step"))
         if args.json:
             plain = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
             args.json.write_text(json.dumps({"args": plain, "device": name,

@@ -42,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.headline import Figure, command_line
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_quant, precision.exact)
@@ -69,6 +71,18 @@ def _device() -> str:
     import torch
 
     return torch.cuda.get_device_name()
+
+
+def _gpu_name() -> str:
+    """The name of this process's first GPU, from nvidia-smi: the step benchmark's parent leaves
+    CUDA to its ``jetrl train`` children (a context here would hold GPU memory)."""
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    return out or "?"
 
 
 # ------------------------------------------------------------------------------------------ children
@@ -177,14 +191,15 @@ def decode_child(args) -> dict:
               f"{min(walls):.1f}-{max(walls):.1f} s)", flush=True)
         args.result.write_text(json.dumps({**out, "complete": False}, indent=1))  # kept if a later case is cut off
     if args.profile:
-        out["profile"] = profile_decode(engine, vocab, args.prompt_len)
+        out["profile"] = profile_decode(engine, vocab, args.prompt_len, batch=args.profile_batch)
     engine.close()
     return {**out, "complete": True}
 
 
 def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps: int = 32) -> dict:
     """GPU kernel time of ``steps`` decode steps at ``batch``, by class: a profile of prefill plus
-    ``steps`` new tokens minus one of the same prefill with one new token (after a warm-up)."""
+    ``steps`` new tokens minus one of the same prefill with one new token (after a warm-up);
+    ``top_kernels_ms`` and ``launches`` name where the time goes and how many kernels ran."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -194,19 +209,27 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
 
-    def profiled(new_tokens: int) -> dict[str, float]:
+    def profiled(new_tokens: int) -> tuple[dict[str, float], int, float]:
         params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=2)
         engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, params)
-        return kernel_ms(prof)
+        launches = sum(e.count for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CPU
+                       and not e.key.startswith("cudaGraph") and "Memcpy" not in e.key and "Memset" not in e.key)
+        return kernel_ms(prof), launches, wall
 
-    prefill, whole = profiled(1), profiled(1 + steps)
+    (prefill, prefill_n, prefill_s), (whole, whole_n, whole_s) = profiled(1), profiled(1 + steps)
     kernels = {k: v - prefill.get(k, 0.0) for k, v in whole.items()}
     classes = by_class(kernels, KERNEL_CLASSES)
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
     return {"batch": batch, "steps": steps, "classes_ms": classes, "top_kernels_ms": top,
-            "prefill_ms": sum(prefill.values())}
+            "prefill_ms": sum(prefill.values()), "kernels_per_step": (whole_n - prefill_n) / steps,
+            "wall_ms_per_step": 1e3 * (whole_s - prefill_s) / steps}
 
 
 def sync_child(args) -> dict:
@@ -281,14 +304,17 @@ def run_child(kind: str, args, extra: list[str], *, name: str | None = None, gpu
     print(f"{kind} {name}: rc={rc} in {time.perf_counter() - t0:.0f} s (log {log})", flush=True)
     if rc != 0 or not out.is_file():
         print("\n".join(log.read_text(errors="replace").splitlines()[-40:]), flush=True)
-        return json.loads(out.read_text()) if out.is_file() else None  # the cases that finished
-    return json.loads(out.read_text())
+    if not out.is_file():
+        return None
+    result = {**json.loads(out.read_text()), "command": command_line("benchmarks.bench_vllm")}
+    out.write_text(json.dumps(result, indent=1))  # the cases that finished, when cut off
+    return result
 
 
 def _common(args) -> list[str]:
     return ["--layers", str(args.layers), "--prompt-len", str(args.prompt_len), "--max-len", str(args.max_len),
             "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-num-seqs", str(args.max_num_seqs),
-            "--fp8-gemm", args.fp8_gemm, "--repeats", str(args.repeats)]
+            "--fp8-gemm", args.fp8_gemm, "--repeats", str(args.repeats), "--profile-batch", str(args.profile_batch)]
 
 
 # ------------------------------------------------------------------------------------------ RL step
@@ -310,7 +336,7 @@ def step_runs(args) -> dict:
     from benchmarks.rl_summary import summarise
 
     results = {}
-    steps = args.step_steps + (1 if args.profile else 0)
+    steps = 1 + args.step_steps + (1 if args.profile else 0)  # step 1 warms up (CUDA graphs, allocator)
     for mode in args.step_modes.split(","):
         run_dir = Path(args.work) / f"step_{mode}"
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -320,6 +346,7 @@ def step_runs(args) -> dict:
                f"rollout.vllm.fp8_gemm={args.fp8_gemm}", f"run.steps={steps}", "log.console=false",
                f"model.config.num_hidden_layers={args.step_layers}",
                f"rollout.sampling.max_new_tokens={args.step_response_len}",
+               "rollout.sampling.ignore_eos=true",  # every response max_new_tokens long: the same work per mode
                f"rollout.offload_actor={str(args.step_offload).lower()}",
                *([f"actor.max_tokens_per_microbatch={args.step_mb_tokens}"] if args.step_mb_tokens else []),
                *([f"run.profile_steps=[{steps}]"] if args.profile else []), "--skip-memory-check"]
@@ -334,6 +361,8 @@ def step_runs(args) -> dict:
             continue
         results[mode] = summarise(metrics, untimed=(steps,) if args.profile else ())
         results[mode]["config"] = step_config(run_dir)
+        results[mode]["command"] = command_line("benchmarks.bench_vllm")
+        results[mode]["device"] = _gpu_name()
         profile = run_dir / "profiles" / f"step_{steps}.json"
         if profile.is_file():
             results[mode]["profile"] = json.loads(profile.read_text())
@@ -378,6 +407,9 @@ def table(args) -> str:
             ratios = [(row[m] / row["bf16"]) if row.get("bf16") and row[m] else None for m in decode if m != "bf16"]
             lines.append(f"{c:>10} " + " ".join(f"{row[m] or float('nan'):>12.0f}" for m in decode)
                          + "".join(f" {r:>9.2f}x" if r else f" {'—':>10}" for r in ratios))
+            spans = [_tok_s(d, c) if c in d["cases"] else [] for d in decode.values()]
+            lines.append(f"{'range':>10} " + " ".join(f"{f'{min(v):.0f}-{max(v):.0f} ({len(v)})' if v else '':>12}"
+                                                      for v in spans))
         lines.append(f"{'start s':>10} " + " ".join(f"{d['engine_start_s']:>12.0f}" for d in decode.values()))
         lines.append(f"{'KV tokens':>10} " + " ".join(f"{d['kv_cache_tokens'] or 0:>12}" for d in decode.values()))
         lines.append(f"{'GPU GiB':>10} " + " ".join(f"{d['used_gib']:>12.1f}" for d in decode.values()))
@@ -386,22 +418,28 @@ def table(args) -> str:
             lines.append(f"(cut off before all cases finished: {', '.join(cut)}; missing cases show nan)")
         target = args.headline_case
         if "bf16" in decode and target in decode["bf16"]["cases"]:
-            base = decode["bf16"]["cases"][target]["tok_s"]
             # CUTLASS (the engine's default FP8 GEMM) under the issue's keys; DeepGEMM under its own
             for m in ("fp8", "fp8kv", "fp8-deep_gemm", "fp8kv-deep_gemm"):
                 if m in decode and target in decode[m]["cases"]:
-                    key = f"vllm_decode_{m.replace('-', '_')}_over_bf16"
-                    headline[key] = decode[m]["cases"][target]["tok_s"] / base
-        if all(m in decode and target in decode[m]["cases"] for m in ("fp8", "fp8-exact")):
-            headline["vllm_exact_decode_over_default"] = (decode["fp8-exact"]["cases"][target]["tok_s"]
-                                                          / decode["fp8"]["cases"][target]["tok_s"])
+                    headline[f"vllm_decode_{m.replace('-', '_')}_over_bf16"] = (
+                        Figure.ratio(_tok_s(decode[m], target), _tok_s(decode["bf16"], target)), decode[m])
+        if all(m in decode and EXACT_CASE in decode[m]["cases"] for m in ("fp8", "fp8-exact")):
+            headline["vllm_exact_decode_over_default"] = (
+                Figure.ratio(_tok_s(decode["fp8-exact"], EXACT_CASE), _tok_s(decode["fp8"], EXACT_CASE)),
+                decode["fp8-exact"])
+        if "fp8" in decode:
+            headline["vllm_engine_start_s"] = (Figure.of([decode["fp8"]["engine_start_s"]]), decode["fp8"])
         for m, d in decode.items():
             if "profile" in d:
                 p = d["profile"]
                 total = sum(p["classes_ms"].values())
-                lines.append(f"-- kernel time, {m}, {p['steps']} decode steps at batch {p['batch']}: {total:.1f} ms")
+                lines.append(f"-- kernel time, {m}, {p['steps']} decode steps at batch {p['batch']}: {total:.1f} ms"
+                             + (f" ({p['kernels_per_step']:.0f} kernels and {p['wall_ms_per_step']:.2f} ms wall "
+                                "a step, unprofiled)" if "kernels_per_step" in p else ""))
                 for cls, ms in sorted(p["classes_ms"].items(), key=lambda kv: -kv[1]):
                     lines.append(f"   {cls:<20} {ms:>8.1f} ms {100 * ms / total:>5.1f}%")
+                for name, ms in list(p.get("top_kernels_ms", {}).items())[:8]:
+                    lines.append(f"      {ms:>8.1f} ms  {name}")
     if sync:
         lines.append(f"\n== sync of the 8B FP8 model into vLLM (train TP -> rollout TP; GB and floor per rank), "
                      f"{device} ==")
@@ -414,26 +452,41 @@ def table(args) -> str:
                          f"{s['total_s'] / s['floor_s']:>7.1f}x {s['in_place_tensors']:>4}/{s['tensors']}")
         single = [s for s in sync.values() if (s.get("train_tp", 1), s.get("rollout_tp", 1)) == (1, 1)]
         if single:
-            headline["vllm_sync_8b_s"] = min(s["total_s"] for s in single)
+            fastest = min(single, key=lambda s: s["total_s"])
+            headline["vllm_sync_8b_s"] = (Figure.of(fastest.get("all_s") or [fastest["total_s"]]), fastest)
     if step:
         conf = next(iter(step.values())).get("config", {"layers": 6, "response_len": 512})  # older runs: the defaults
+        timed = {mode: _step_seconds(r) for mode, r in step.items()}
         lines.append(f"\n== RL step with vLLM rollout, Qwen3-8B layer shapes ({conf['layers']} layers, responses "
-                     f"up to {conf['response_len']} tokens, micro-batches of {conf.get('mb_tokens', 4096)} tokens), "
-                     "mean s over steps 2.. ==")
+                     f"of {conf['response_len']} tokens, micro-batches of {conf.get('mb_tokens', 4096)} tokens), "
+                     "median s over the timed steps (2..) ==")
         phases = ("generate", "logprobs", "update", "sync", "step")
-        lines.append(f"{'mode':>8} " + " ".join(f"{p:>9}" for p in phases) + f" {'tok/s/GPU':>10} {'k3 KL':>9}")
+        lines.append(f"{'mode':>10} " + " ".join(f"{p:>9}" for p in phases)
+                     + f" {'step range':>15} {'steps':>5} {'tokens/step':>11} {'k3 KL':>9}")
         for mode, r in step.items():
-            lines.append(f"{mode:>8} " + " ".join(f"{r['seconds'][p]:>9.3f}" for p in phases)
-                         + f" {r['tokens_per_s_per_gpu']:>10.0f} {r.get('k3_kl', float('nan')):>9.2e}")
+            sec = timed[mode]
+            tokens = r.get("tokens_per_timed_step") or [r.get("tokens_per_step", float("nan"))]
+            lines.append(f"{mode:>10} " + " ".join(f"{statistics.median(sec[p]):>9.3f}" for p in phases)
+                         + f" {min(sec['step']):>7.2f}-{max(sec['step']):<7.2f} {len(sec['step']):>5}"
+                         f" {statistics.median(tokens):>11.0f} {r.get('k3_kl', float('nan')):>9.2e}")
+        same_work = _same_tokens(step)
+        if not same_work:
+            lines.append("(the modes did not generate the same tokens per step: no ratio is a headline figure; "
+                         "rerun with responses of fixed length, rollout.sampling.ignore_eos=true)")
         for mode in (m for m in step if m != "bf16" and "bf16" in step):
-            lines.append(f"{'bf16/' + mode:>8} " + " ".join(
-                f"{step['bf16']['seconds'][p] / step[mode]['seconds'][p]:>8.2f}x" for p in phases))
-            if mode in ("fp8", "fp8kv"):  # the product's two FP8 rollouts (weights; weights + KV cache)
-                ratio = step["bf16"]["seconds"]["step"] / step[mode]["seconds"]["step"]
-                headline[f"rl_step_vllm_{mode}_over_bf16"] = ratio
+            ratios = {p: Figure.ratio(timed["bf16"][p], timed[mode][p]) for p in phases}
+            lines.append(f"{'bf16/' + mode:>10} " + " ".join(f"{ratios[p].value:>8.2f}x" for p in phases)
+                         + f" {ratios['step'].spread[0]:>6.2f}x-{ratios['step'].spread[1]:.2f}x")
+            if same_work and mode in ("fp8", "fp8kv"):  # the product's two FP8 rollouts (weights; + KV cache)
+                headline[f"rl_step_vllm_{mode}_over_bf16"] = (ratios["step"], step[mode])
+                if mode == "fp8":
+                    headline["rl_generate_fp8_over_bf16"] = (ratios["generate"], step[mode])
         if "fp8" in step and "fp8-exact" in step:
-            headline["rl_step_exact_over_default"] = (step["fp8"]["seconds"]["step"]
-                                                      / step["fp8-exact"]["seconds"]["step"])
+            exact = Figure.ratio(timed["fp8"]["step"], timed["fp8-exact"]["step"])
+            lines.append(f"{'fp8/exact':>10} {exact.value:>8.2f}x step ({exact.spread[0]:.2f}x-{exact.spread[1]:.2f}x; "
+                         "the exact step skips the recompute of old logprobs)")
+            if same_work:
+                headline["rl_step_exact_over_default"] = (exact, step["fp8-exact"])
         for mode, r in step.items():
             if "profile" in r:
                 prof = r["profile"]
@@ -445,11 +498,39 @@ def table(args) -> str:
     if args.headline and headline:
         from benchmarks.headline import update
 
-        command = ("bash benchmarks/gpu_host/lanes.sh start (several GPUs) or benchmarks/gpu_host/vllm.sh (1 GPU): "
-                   "python -m benchmarks.bench_vllm decode, sync, step, then table --headline")
-        update(args.headline, headline, device=device, command=command)
-        lines.append(f"\nheadline -> {args.headline}: " + ", ".join(f"{k} {v:.3f}" for k, v in headline.items()))
+        by_run: dict[tuple[str, str], dict[str, Figure]] = {}  # one update per (device, command)
+        for key, (fig, result) in headline.items():
+            run = (result.get("device", device), result.get("command", LEGACY_COMMAND))
+            by_run.setdefault(run, {})[key] = fig
+        for (dev, command), figures in by_run.items():
+            update(args.headline, figures, device=dev, command=command)
+        lines.append(f"\nheadline -> {args.headline}: " + ", ".join(
+            f"{k} {fig.value:.3f} ({fig.spread[0]:.3f}-{fig.spread[1]:.3f}, {fig.repeats})"
+            for k, (fig, _) in headline.items()))
     return "\n".join(lines)
+
+
+EXACT_CASE = "128x2048"
+"""The decode case of ``vllm_exact_decode_over_default``."""
+LEGACY_COMMAND = "python -m benchmarks.bench_vllm (its arguments were not recorded with this result)"
+
+
+def _tok_s(decode: dict, case: str) -> list[float]:
+    """tok/s of each timed repeat of ``case`` (older results: the one median)."""
+    c = decode["cases"][case]
+    return c.get("tok_s_repeats") or [c["tok_s"]]
+
+
+def _step_seconds(summary: dict) -> dict[str, list[float]]:
+    """Seconds per phase of each timed step of a step run (older results: the mean, once)."""
+    per_step = summary.get("seconds_per_step")
+    return per_step if per_step else {p: [v] for p, v in summary["seconds"].items()}
+
+
+def _same_tokens(step: dict) -> bool:
+    """Whether every mode's timed steps generated the same number of tokens, step by step."""
+    tokens = [tuple(r.get("tokens_per_timed_step") or ()) for r in step.values()]
+    return bool(tokens[0]) and all(t == tokens[0] for t in tokens)
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -468,7 +549,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--step-gpu-memory-utilization", type=float, default=0.2)
     p.add_argument("--sync-gpu-memory-utilization", type=float, default=0.3)
-    p.add_argument("--step-steps", type=int, default=4)
+    p.add_argument("--step-steps", type=int, default=3, help="step: timed steps after the first (the repeats)")
     p.add_argument("--step-modes", default="fp8,bf16", help=f"step: of {', '.join(STEP_MODES)}")
     p.add_argument("--step-layers", type=int, default=6, help="step: decoder layers at Qwen3-8B widths")
     p.add_argument("--step-response-len", type=int, default=512, help="step: max new tokens per response")
@@ -485,6 +566,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="decode: timed generate calls per case (median)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-batch", type=int, default=256, help="decode --profile: sequences in the profiled steps")
     p.add_argument("--headline-case", default="256x4096")
     p.add_argument("--headline", type=Path)
     p.add_argument("--work", default="/tmp/bench_vllm")

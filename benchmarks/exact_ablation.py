@@ -368,7 +368,7 @@ def table(work: Path, headline: str | None = None, command: str = "") -> str:
         lines.append(f"- {r['model']} {r['engine']} {r['mode']}: {cells}")
     text = "\n".join(lines)
     if headline:
-        from benchmarks.headline import update
+        from benchmarks.headline import Figure, update
 
         values = {}
         for mode, key in (("fp8", "fp8"), ("bf16-train+fp8-rollout", "mixed"), ("bf16", "bf16")):
@@ -380,7 +380,8 @@ def table(work: Path, headline: str | None = None, command: str = "") -> str:
             values["vllm_exact_max_abs_dlogp"] = max(r["mismatch"]["rollout_corr/max_abs_dlogp"] for r in exact)
         device = next(iter(runs.values()))["device"]
         models = ",".join(sorted({r["model"] for r in runs.values()}))
-        update(headline, values, device=device,
+        # each a single measurement (one run per model and mode, its largest or mean mismatch)
+        update(headline, {k: Figure.of([v]) for k, v in values.items()}, device=device,
                command=command or f"python -m benchmarks.exact_ablation all --models {models} (then table --headline)")
     return text
 

@@ -1,8 +1,10 @@
-"""The headline figures in docs/results/headline.json: one object per key with the value, the device
-it was measured on, the command that measured it and the date. Benchmarks write them; nobody types
-them. Values keep five significant digits (a KL of 2.3e-7 stays 2.3e-7).
+"""The headline figures in docs/results/headline.json: one object per key with the value, how many
+repeats it is the median of and their spread, the device it was measured on, the full command
+that measured it and the date. Benchmarks write them; nobody types them. Values keep five
+significant digits (a KL of 2.3e-7 stays 2.3e-7).
 
-    update(path, {"vllm_sync_8b_s": 0.021}, device="NVIDIA H100 80GB HBM3", command="...")
+    update(path, {"vllm_sync_8b_s": Figure.of([0.021, 0.020, 0.022])}, device="NVIDIA H100 80GB HBM3",
+           command="python -m benchmarks.bench_vllm sync ...")
     python -m benchmarks.headline table [--write docs/benchmarks.md]    # the docs' table, from the file
 
 The file is read, updated and written back atomically (other keys are kept). ``KEYS`` says what
@@ -17,9 +19,12 @@ import datetime
 import json
 import math
 import os
+import shlex
+import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADLINE = ROOT / "docs" / "results" / "headline.json"
@@ -37,29 +42,76 @@ KEYS = {  # key -> (what it is, target or "")
     "vllm_decode_fp8_deep_gemm_over_bf16": ("vLLM decode, FP8 with DeepGEMM over BF16", ""),
     "vllm_decode_fp8kv_deep_gemm_over_bf16": ("vLLM decode, FP8 + FP8 KV cache with DeepGEMM over BF16", ""),
     "vllm_sync_8b_s": ("weight sync of the whole 8B FP8 model into vLLM, seconds", "≤ 0.5 s"),
-    "rl_step_vllm_fp8_over_bf16": ("whole RL step with vLLM rollout, FP8 over BF16, 8B widths × 16 layers", "≥ 1.3×"),
+    "rl_step_vllm_fp8_over_bf16": ("whole RL step with vLLM rollout, FP8 over BF16, 8B widths (layers: the command's "
+                                   "--step-layers; 16 for the target)", "≥ 1.3×"),
     "rl_step_vllm_fp8kv_over_bf16": ("the same with an FP8 KV cache", "≥ 1.4×"),
+    "rl_generate_fp8_over_bf16": ("the generate phase of that step, FP8 over BF16", "≥ 1.3×"),
+    "vllm_engine_start_s": ("vLLM engine start, FP8 (CUTLASS), Qwen3-8B × 36, CUDA graphs, seconds", "≤ 60 s"),
     "vllm_k3_fp8_8b6": ("engine-vs-trainer k3 KL, unified FP8, default engine, 8B widths × 6", ""),
     "vllm_k3_mixed_8b6": ("the same, BF16-train + FP8-rollout (the off-policy recipe)", ""),
     "vllm_k3_bf16_8b6": ("the same, BF16", ""),
     "vllm_exact_max_abs_dlogp": ("largest engine-vs-trainer abs(Δlogp) with precision.exact", "0"),
     "vllm_exact_decode_over_default": ("vLLM decode tok/s, exact FP8 over default FP8, Qwen3-8B × 36, 128 × 2,048",
                                        "≥ 0.9×"),
-    "rl_step_exact_over_default": ("whole RL step, default FP8 time over exact FP8 time (no recompute)", "> 1×"),
+    "rl_step_exact_over_default": ("whole RL step, default FP8 time over exact FP8 time (no recompute), as above",
+                                   "> 1×"),
 }
 
 
-def update(path: str | Path, values: Mapping[str, float], *, device: str, command: str) -> dict:
-    """Set ``values`` (finite numbers) in the headline file at ``path``; returns the whole file."""
+@dataclass(frozen=True)
+class Figure:
+    """A headline number: the median of ``repeats`` measurements (1: a single one) and the lowest and
+    highest of them."""
+
+    value: float
+    repeats: int
+    spread: tuple[float, float]
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Figure":
+        """The median of ``samples`` (one per repeat), their count and range."""
+        if not samples:
+            raise ValueError("a figure needs at least one measurement")
+        return cls(statistics.median(samples), len(samples), (min(samples), max(samples)))
+
+    @classmethod
+    def ratio(cls, num: Sequence[float], den: Sequence[float]) -> "Figure":
+        """median(num) / median(den). Spread: of the paired ratios num[i] / den[i] when both have one
+        value per repeat of the same work (the same step, the same prompts), else the widest
+        (min(num) / max(den) .. max(num) / min(den))."""
+        if not num or not den:
+            raise ValueError("a ratio needs measurements on both sides")
+        value = statistics.median(num) / statistics.median(den)
+        if len(num) == len(den):
+            pairs = [a / b for a, b in zip(num, den, strict=True)]
+            return cls(value, len(pairs), (min(pairs), max(pairs)))
+        return cls(value, min(len(num), len(den)), (min(num) / max(den), max(num) / min(den)))
+
+
+def command_line(module: str, argv: Sequence[str] | None = None) -> str:
+    """The full command that ran this benchmark: ``python -m MODULE`` and its arguments."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+
+
+def _round(x: float) -> float:
+    return float(f"{float(x):.5g}")
+
+
+def update(path: str | Path, figures: Mapping[str, Figure], *, device: str, command: str) -> dict:
+    """Set ``figures`` (finite numbers) in the headline file at ``path``; returns the whole file."""
     path = Path(path)
     data = json.loads(path.read_text()) if path.is_file() else {}
     date = datetime.date.today().isoformat()
-    for key, value in values.items():
+    for key, fig in figures.items():
         if key not in KEYS:
             raise ValueError(f"headline {key}: not in benchmarks/headline.py KEYS; add what it measures there")
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"headline {key}: {value!r} is not a finite number")
-        data[key] = {"value": float(f"{float(value):.5g}"), "device": device, "command": command, "date": date}
+        if not isinstance(fig, Figure):
+            raise ValueError(f"headline {key}: {fig!r} is not a Figure (value, repeats, spread)")
+        numbers = (fig.value, *fig.spread)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers) or fig.repeats < 1:
+            raise ValueError(f"headline {key}: {fig!r} is not a finite number with its repeats")
+        data[key] = {"value": _round(fig.value), "repeats": fig.repeats, "spread": [_round(v) for v in fig.spread],
+                     "device": device, "command": command, "date": date}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
@@ -69,11 +121,14 @@ def update(path: str | Path, values: Mapping[str, float], *, device: str, comman
 
 def table(data: Mapping[str, Mapping]) -> str:
     """The headline file as a markdown table, in ``KEYS`` order (keys it does not list last)."""
-    rows = ["| key | what | value | target | device | date |", "|---|---|---:|---|---|---|"]
+    rows = ["| key | what | value | spread (repeats) | target | device | date |", "|---|---|---:|---|---|---|---|"]
     for key in [k for k in KEYS if k in data] + sorted(k for k in data if k not in KEYS):
         what, target = (cell.replace("|", "\\|") for cell in KEYS.get(key, ("(not described in headline.py)", "")))
         entry = data[key]
-        rows.append(f"| `{key}` | {what} | {entry['value']:.4g} | {target} | {entry['device']} | {entry['date']} |")
+        spread = (f"{entry['spread'][0]:.4g}–{entry['spread'][1]:.4g} ({entry['repeats']})" if "spread" in entry
+                  else "— (before repeats were recorded)")
+        rows.append(f"| `{key}` | {what} | {entry['value']:.4g} | {spread} | {target} | {entry['device']} | "
+                    f"{entry['date']} |")
     return "\n".join(rows)
 
 

@@ -38,8 +38,8 @@ def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
     """One run's numbers from its ``metrics.jsonl`` (shared by scale_summary.py and
     mismatch_study.py): train reward (first and last 10 steps), eval curve, mean mismatch,
     response length and entropy, mean seconds per phase and tokens/s/GPU over steps 2.. (without
-    the ``untimed`` steps, e.g. profiled ones), tokens per step, and the largest value of every
-    ``memory/*`` metric. Missing metrics are NaN."""
+    the ``untimed`` steps, e.g. profiled ones; each of those steps' seconds and tokens too), tokens
+    per step, and the largest value of every ``memory/*`` metric. Missing metrics are NaN."""
     rows = read_rows(path)
     train = train_rows(rows)
     evals = eval_points(rows)
@@ -60,6 +60,8 @@ def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
         "probs_diff": mean("training/rollout_probs_diff_mean", train),
         "token_mult_prob_error": mean("token_mult_prob_error", train),
         "seconds": {p: mean(f"timing/{p}_s", warm) for p in PHASES},
+        "seconds_per_step": {p: [r.get(f"timing/{p}_s", float("nan")) for r in warm] for p in PHASES},
+        "tokens_per_timed_step": [r.get("perf/tokens_per_step", float("nan")) for r in warm],
         "tokens_per_s_per_gpu": mean("perf/tokens_per_s_per_gpu", warm),
         "tokens_per_step": mean("perf/tokens_per_step", warm),
         "response_length": mean("response/length_mean", train),

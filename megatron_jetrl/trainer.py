@@ -75,7 +75,8 @@ class Trainer:
         self.tokenizer, self.train_set, self.eval_set = data.tokenizer, data.train, data.eval
         self.sampler = PromptSampler(len(self.train_set), job.data.seed, job.data.shuffle)
         self.reward = build_reward(job.reward)
-        stops = tuple(sorted({*job.rollout.sampling.stop_token_ids, self.tokenizer.eos_token_id}))
+        eos = () if job.rollout.sampling.ignore_eos else (self.tokenizer.eos_token_id,)
+        stops = tuple(sorted({*job.rollout.sampling.stop_token_ids, *eos}))
         self.sampling = dataclasses.replace(job.rollout.sampling, n=job.algo.group_size, stop_token_ids=stops)
         self.loss_fn = make_policy_loss(job.algo.loss)
         self.checkpoints = RunCheckpoints(run_dir, job.run.keep_last, self.rank, self.world, barrier=dist.barrier)

@@ -13,9 +13,11 @@
 # one more step of each (run.profile_steps). --step-args "ARGS": more bench_vllm.py step arguments,
 # e.g. "--step-layers 16 --step-response-len 2048 --step-offload --step-mb-tokens 8192" (16384 runs out of
 # memory on an H200 at 16 layers beside vLLM at 0.3 of the GPU).
+# --decode-args "ARGS": more bench_vllm.py decode arguments, e.g. "--repeats 5 --profile-batch 128".
 # --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
-# ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM), exact (the exact
-# rollout's tests; exact-tiny / exact-8b: at the tiny model's or Qwen3-8B's widths), or a test file.
+# ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM; rl-exact: its
+# exact-mode runs only), exact (the exact rollout's tests; exact-tiny / exact-8b: at the tiny model's
+# or Qwen3-8B's widths), or a test file.
 # --ablation "ARGS": benchmarks/exact_ablation.py all ARGS (e.g. "--models tiny,8b6 --runs exact:fp8"),
 # results in /tmp/exact_ablation, its table last.
 # --actor "ARGS": the actor-step benchmark (ARGS are bench_actor_step.py's), torchrun on one
@@ -27,7 +29,7 @@
 #   carrying call K (1-5): mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK
 set -uo pipefail
 tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=cutlass
-sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 with_te=0 step_args="" ablation=""
+sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 with_te=0 step_args="" ablation="" decode_args=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift ;;
@@ -45,6 +47,7 @@ while [ $# -gt 0 ]; do
     --with-te) with_te=1 ;;
     --step-args) step_args="$2"; step=1; shift ;;
     --ablation) ablation="$2"; shift ;;
+    --decode-args) decode_args="$2"; shift ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
   shift
@@ -88,6 +91,7 @@ for t in $tests; do
     engine-rest) f=tests/gpu/test_vllm_engine.py; k="not two_gpus and not logprobs_match and not kv_cache_takes" ;;
     engine-two) f=tests/gpu/test_vllm_engine.py; k="two_gpus" ;;
     rl) f=tests/gpu/test_rl_loop.py; k="vllm" ;;
+    rl-exact) f=tests/gpu/test_rl_loop.py; k="fp8-exact or vllm-exact" ;;
     exact) f=tests/gpu/test_exact.py; k="" ;;
     exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths" ;;
     exact-8b) f=tests/gpu/test_exact.py; k="8b_widths" ;;
@@ -129,7 +133,8 @@ if [ -n "$ablation" ]; then
 fi
 
 bench=(python3 -m benchmarks.bench_vllm --fp8-gemm "$gemm")
-[ -n "$decode" ] && { "${bench[@]}" decode --modes "$decode" --cases "$cases" $profile || rc=1; }
+# shellcheck disable=SC2086  # decode_args are words
+[ -n "$decode" ] && { "${bench[@]}" decode --modes "$decode" --cases "$cases" $profile $decode_args || rc=1; }
 for layout in $sync_tp; do
   [ -n "$sync" ] && { "${bench[@]}" sync --paths "$sync" --train-tp "${layout%:*}" --rollout-tp "${layout#*:}" || rc=1; }
 done

@@ -33,7 +33,9 @@ FinishReason = Literal["stop", "length"]
 class SamplingParams:
     """How to sample. ``top_k <= 0`` and ``top_p == 1`` disable those filters; ``temperature == 0``
     is greedy. ``stop_token_ids`` end a sample (the stop token is part of the response).
-    ``seed`` makes a call reproducible on the same engine and inputs."""
+    ``seed`` makes a call reproducible on the same engine and inputs. ``ignore_eos``: the trainer
+    does not add the tokenizer's end-of-sequence token to the stops (responses run to
+    ``max_new_tokens`` unless a listed stop ends them: a benchmark's fixed work)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -42,9 +44,12 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         k = "rollout.sampling"
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"{k}.ignore_eos", self.ignore_eos, "must be true or false")
         check_integer(f"{k}.n", self.n, minimum=1)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:

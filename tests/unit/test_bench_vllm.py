@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_vllm
-from benchmarks.headline import BEGIN, END, KEYS, update, with_table
+from benchmarks.headline import BEGIN, END, KEYS, Figure, command_line, update, with_table
 from benchmarks.headline import table as headline_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,20 +17,35 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_headline_update_keeps_other_keys_and_refuses_non_numbers(tmp_path):
     path = tmp_path / "results" / "headline.json"
-    update(path, {"linear_fp8_over_bf16": 1.23456}, device="GPU X", command="cmd a")
-    data = update(path, {"vllm_sync_8b_s": 2}, device="GPU Y", command="cmd b")
+    update(path, {"linear_fp8_over_bf16": Figure.of([1.23456, 1.2, 1.3])}, device="GPU X", command="cmd a")
+    data = update(path, {"vllm_sync_8b_s": Figure.of([2])}, device="GPU Y", command="cmd b")
     a, b = data["linear_fp8_over_bf16"], data["vllm_sync_8b_s"]
     assert a["value"] == 1.2346 and a["device"] == "GPU X" and b["command"] == "cmd b"
-    assert set(a) == {"value", "device", "command", "date"}
+    assert a["repeats"] == 3 and a["spread"] == [1.2, 1.3] and b["repeats"] == 1 and b["spread"] == [2, 2]
+    assert set(a) == {"value", "repeats", "spread", "device", "command", "date"}
     assert json.loads(path.read_text()) == data
     with pytest.raises(ValueError, match="vllm_k3_fp8_8b6"):
-        update(path, {"vllm_k3_fp8_8b6": float("nan")}, device="GPU", command="x")
+        update(path, {"vllm_k3_fp8_8b6": Figure.of([float("nan")])}, device="GPU", command="x")
+    with pytest.raises(ValueError, match="not a Figure"):  # a bare number has no repeats
+        update(path, {"vllm_k3_fp8_8b6": 0.1}, device="GPU", command="x")
     assert "vllm_k3_fp8_8b6" not in json.loads(path.read_text())
     with pytest.raises(ValueError, match="KEYS"):  # a key nobody described cannot be written
-        update(path, {"made_up": 1.0}, device="GPU", command="x")
+        update(path, {"made_up": Figure.of([1.0])}, device="GPU", command="x")
     assert sorted(p.name for p in path.parent.iterdir()) == ["headline.json"]  # no temporary left
-    k3 = update(path, {"vllm_k3_fp8_8b6": 2.345678e-7}, device="GPU", command="x")["vllm_k3_fp8_8b6"]
+    k3 = update(path, {"vllm_k3_fp8_8b6": Figure.of([2.345678e-7])}, device="GPU", command="x")["vllm_k3_fp8_8b6"]
     assert k3["value"] == 2.3457e-7  # not 0.0
+
+
+def test_figures_are_medians_with_their_spread():
+    assert Figure.of([3.0, 1.0, 2.0]) == Figure(2.0, 3, (1.0, 3.0))
+    paired = Figure.ratio([10.0, 12.0, 11.0], [5.0, 4.0, 5.5])  # the same work, repeat by repeat
+    assert paired.value == 11.0 / 5.0 and paired.repeats == 3 and paired.spread == (2.0, 3.0)
+    unpaired = Figure.ratio([10.0, 12.0], [5.0, 4.0, 6.0])
+    assert unpaired.repeats == 2 and unpaired.spread == (10.0 / 6.0, 12.0 / 4.0)
+    with pytest.raises(ValueError):
+        Figure.of([])
+    want = "python -m benchmarks.x step --step-args '--a 1'"
+    assert command_line("benchmarks.x", ["step", "--step-args", "--a 1"]) == want
 
 
 def test_every_headline_key_is_described_and_the_table_renders():
@@ -71,23 +86,43 @@ def test_table_ratios_and_headline(tmp_path):
     phases = {"generate": 2.0, "logprobs": 1.0, "update": 1.0, "sync": 0.1, "step": 4.0}
     profile = {"step": 5, "device": "GPU X", "phases": {"generate": {
         "wall_s": 2.5, "kernel_ms": 900.0, "classes_ms": {"gemm": 500.0, "attention": 400.0}, "top_kernels_ms": {}}}}
+
+    def run(step_s: list[float], **more):
+        per_step = {p: [v] * len(step_s) for p, v in phases.items()}
+        return {"seconds": phases, "seconds_per_step": {**per_step, "step": step_s}, "tokens_per_s_per_gpu": 100.0,
+                "tokens_per_timed_step": [4096.0, 4100.0, 4090.0], "device": "GPU X",
+                "command": "python -m benchmarks.bench_vllm step", **more}
+
     (work / "step.json").write_text(json.dumps({
-        "fp8": {"seconds": {**phases, "step": 3.2}, "tokens_per_s_per_gpu": 100.0, "profile": profile},
-        "bf16": {"seconds": phases, "tokens_per_s_per_gpu": 80.0},
-        "fp8kv": {"seconds": {**phases, "step": 2.5}, "tokens_per_s_per_gpu": 120.0}}))
+        "fp8": run([3.2, 3.0, 3.3], profile=profile), "bf16": run([4.0, 4.0, 4.2]), "fp8kv": run([2.5, 2.4, 2.6])}))
     headline = tmp_path / "headline.json"
     text = _table(work, headline)
     assert "1.20x" in text and "1.60x" in text  # 256x4096: fp8 600/500, fp8kv 800/500
     assert "fp8-deep_gemm/bf16" in text and "1.40x" in text  # DeepGEMM 700/500
-    got = {k: v["value"] for k, v in json.loads(headline.read_text()).items()}
+    data = json.loads(headline.read_text())
+    got = {k: v["value"] for k, v in data.items()}
     assert got == {"vllm_decode_fp8_over_bf16": 1.2, "vllm_decode_fp8kv_over_bf16": 1.6,
-                   "vllm_decode_fp8_deep_gemm_over_bf16": 1.4, "vllm_sync_8b_s": 0.2,
-                   "rl_step_vllm_fp8_over_bf16": 1.25, "rl_step_vllm_fp8kv_over_bf16": 1.6}
-    assert json.loads(headline.read_text())["vllm_sync_8b_s"]["device"] == "GPU X"
+                   "vllm_decode_fp8_deep_gemm_over_bf16": 1.4, "vllm_sync_8b_s": 0.2, "vllm_engine_start_s": 90.0,
+                   "rl_step_vllm_fp8_over_bf16": 1.25, "rl_step_vllm_fp8kv_over_bf16": 1.6,
+                   "rl_generate_fp8_over_bf16": 1.0}
+    assert data["rl_step_vllm_fp8_over_bf16"]["spread"] == [1.25, 1.3333]  # paired step by step: 4/3.2 .. 4/3
+    assert data["rl_step_vllm_fp8_over_bf16"]["repeats"] == 3
+    assert data["rl_step_vllm_fp8_over_bf16"]["command"] == "python -m benchmarks.bench_vllm step"
+    assert data["vllm_sync_8b_s"]["device"] == "GPU X"
     assert "cut off" not in text
     assert "in_place   2->2    0.0500" in text and "in_place   1->1    0.2000" in text
     assert "bf16/fp8kv" in text and "1.60x" in text.split("bf16/fp8kv")[1].splitlines()[0]
     assert "kernel time of step 5 (fp8, profiled)" in text and "kernels    900.0 ms: gemm 500, attention 400" in text
+
+
+def test_step_ratios_are_no_headline_unless_every_mode_did_the_same_work(tmp_path):
+    phases = {"generate": 2.0, "logprobs": 1.0, "update": 1.0, "sync": 0.1, "step": 4.0}
+    runs = {mode: {"seconds": phases, "tokens_per_s_per_gpu": 1.0, "tokens_per_timed_step": tokens}
+            for mode, tokens in (("fp8", [4096.0, 4000.0]), ("bf16", [4096.0, 4096.0]))}
+    (tmp_path / "step.json").write_text(json.dumps(runs))
+    headline = tmp_path / "headline.json"
+    text = _table(tmp_path, headline)
+    assert "did not generate the same tokens" in text and not headline.exists()
 
 
 def test_table_marks_a_mode_cut_off_before_its_cases_finished(tmp_path):
@@ -96,7 +131,8 @@ def test_table_marks_a_mode_cut_off_before_its_cases_finished(tmp_path):
     headline = tmp_path / "headline.json"
     text = _table(tmp_path, headline)
     assert "cut off before all cases finished: fp8" in text and "1.10x" in text
-    assert not headline.exists()  # the headline case (256x4096) has no FP8 number: nothing written
+    # the headline case (256x4096) has no FP8 number: no ratio written, only the engine's start
+    assert set(json.loads(headline.read_text())) == {"vllm_engine_start_s"}
 
 
 def _table(work: Path, headline: Path) -> str:

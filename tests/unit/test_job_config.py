@@ -56,6 +56,7 @@ def test_overrides_parse_yaml_values_and_apply_in_order():
     ("actor.precision.mode=bf16", "actor.precision"),
     ("rollout.engine=sglang", "rollout.engine"),
     ("rollout.sampling.temperature=hot", "rollout.sampling.temperature"),
+    ("rollout.sampling.ignore_eos=maybe", "rollout.sampling.ignore_eos"),
     ("log.tensorboard=maybe", "log.tensorboard"),
     ("run=3", "run"),
 ])
