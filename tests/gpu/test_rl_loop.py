@@ -1,7 +1,8 @@
 """The RL loop end to end on one GPU: ``jetrl train examples/configs/tiny_countdown.yaml`` learns
-(reward rises clearly) in unified FP8 and in BF16, with the hf engine and with vLLM, and a run
-killed by SIGTERM (SLURM preemption) continues from its checkpoint exactly where an uninterrupted
-run goes, with either engine.
+(reward rises clearly) in unified FP8 and in BF16, with the hf engine and with vLLM (also with the
+exact rollout, whose k3 is 0 at every step), and a run killed by SIGTERM (SLURM preemption)
+continues from its checkpoint exactly where an uninterrupted run goes, with either engine and in
+the exact mode.
 
 Each run is a real ``jetrl train`` process. Metrics files are copied to $JETRL_GPU_OUT/rl/ when
 that is set (benchmarks/gpu_host/check.sh sets it, and summarises them with benchmarks/rl_summary.py).
@@ -62,12 +63,18 @@ def _check_ok(proc: subprocess.CompletedProcess, code: int = 0) -> None:
     assert proc.returncode == code, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
+MODES = {"fp8": ("precision.mode=fp8",), "bf16": ("precision.mode=bf16",),
+         "fp8-exact": ("precision.mode=fp8", "precision.exact=true")}
+"""Precision overrides per mode; ``fp8-exact``: the exact rollout (vLLM's logprobs are the trainer's)."""
+
+
 @pytest.mark.parametrize("mode, engine", [
-    ("fp8", "hf"), ("bf16", "hf"), pytest.param("fp8", "vllm", marks=requires_vllm)])
+    ("fp8", "hf"), ("bf16", "hf"), pytest.param("fp8", "vllm", marks=requires_vllm),
+    pytest.param("fp8-exact", "vllm", marks=requires_vllm)])
 def test_tiny_example_learns(tmp_path, mode, engine):
     run_dir = tmp_path / f"tiny_{mode}_{engine}"
     start = time.perf_counter()
-    proc = _train(run_dir, f"precision.mode={mode}", f"rollout.engine={engine}", "log.console=true")
+    proc = _train(run_dir, *MODES[mode], f"rollout.engine={engine}", "log.console=true")
     wall = time.perf_counter() - start
     _check_ok(proc)
     rows = _metrics(run_dir)
@@ -84,18 +91,24 @@ def test_tiny_example_learns(tmp_path, mode, engine):
     # reward (256 prompts) must end higher than where RL started
     assert last >= first + 0.08, (first, last)
     assert evals[-1]["eval/reward"] >= evals[0]["eval/reward"] + 0.05, evals
+    k3 = [r["rollout_corr/k3_kl"] for r in train]
     if mode == "fp8":
         # unified FP8: the engine computes with the trainer's bytes, so the mismatch stays tiny
-        k3 = [r["rollout_corr/k3_kl"] for r in train]
         assert max(k3) < 1e-3, k3
+    if mode == "fp8-exact":  # every token's logprob equal, every step
+        assert set(k3) == {0.0}, k3
+        assert {r["rollout_corr/max_abs_dlogp"] for r in train} == {0.0}
+        assert {r["rollout_corr/unequal_tokens"] for r in train} == {0.0}
     assert (run_dir / "tensorboard").is_dir() and any((run_dir / "tensorboard").iterdir())
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "checkpoints" / "latest").is_file()
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=requires_vllm)])
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=requires_vllm),
+                                    pytest.param("vllm-exact", marks=requires_vllm)])
 def test_kill_and_resume_continues_exactly(tmp_path, engine):
-    short = ("run.steps=6", "run.save_every=0", "run.eval_every=0", "sft.steps=40", f"rollout.engine={engine}")
+    short = ("run.steps=6", "run.save_every=0", "run.eval_every=0", "sft.steps=40",
+             f"rollout.engine={engine.removesuffix('-exact')}", *MODES["fp8-exact" if "exact" in engine else "fp8"])
     whole = tmp_path / "whole"
     _check_ok(_train(whole, *short))
     want = {r["step"]: r for r in _metrics(whole)}
