@@ -26,8 +26,13 @@ synced into an FP8 engine: ``in_place`` (the copy kernels write into vLLM's para
 engine's bytes over the GPU's copy bandwidth measured in the same process.
 
 step: ``jetrl train benchmarks/configs/qwen3_8b_dims.yaml`` (6 of Qwen3-8B's layers, its vocab, 16
-prompts x 8 samples x 512 tokens, 4 steps) with ``rollout.engine=vllm``, in FP8 and in BF16; mean
-seconds per phase over steps 2..4.
+prompts x 8 samples x 512 tokens) with ``rollout.engine=vllm`` and ``rollout.sampling.ignore_eos=true``
+(every response ``max_new_tokens`` long), per mode of ``--step-modes``; step 1 warms up, the next
+``--step-steps`` are timed: the median seconds per phase and the range. A ratio becomes a headline
+figure only when every mode generated the same tokens at every timed step.
+
+table: every result in ``--work`` as one table; with ``--headline`` their figures are merged into
+the headline file (medians of the repeats, paired spreads, each result's device and command).
 """
 
 from __future__ import annotations
