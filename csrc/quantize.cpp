@@ -1,4 +1,5 @@
 // Input validation, output allocation and device dispatch for the quantization kernels.
+#include "messages.h"
 #include "quantize.h"
 #include "quantize_math.h"
 
@@ -12,16 +13,6 @@ namespace jetrl {
 namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Error messages format numbers with std::to_string, never by streaming them into TORCH_CHECK:
-// on the GPU host (torch 2.11) `ostream << int64_t` inside the extension crashed the process
-// instead of raising, while strings and dtypes were fine.
-// "[4, 256]"
-std::string dims(at::IntArrayRef d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 void check_input(const at::Tensor& x, double eps, const char* op) {
   TORCH_CHECK(x.defined(), op, ": x is undefined");

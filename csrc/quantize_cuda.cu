@@ -30,6 +30,7 @@
 
 #include <type_traits>
 
+#include "cuda_dtypes.cuh"
 #include "quantize.h"
 #include "quantize_math.h"
 
@@ -370,12 +371,7 @@ void launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
 void quantize_cuda(const QuantizeArgs& args, at::ScalarType dtype, const at::Tensor& x) {
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (dtype) {
-    case at::kBFloat16: return launch_typed<__nv_bfloat16>(args, stream);
-    case at::kHalf: return launch_typed<__half>(args, stream);
-    case at::kFloat: return launch_typed<float>(args, stream);
-    default: TORCH_CHECK(false, "quantize: unsupported dtype ", dtype);
-  }
+  by_dtype(dtype, "quantize", [&](auto t) { launch_typed<decltype(t)>(args, stream); });
 }
 
 }  // namespace jetrl

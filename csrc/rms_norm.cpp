@@ -7,6 +7,7 @@
 //   (within one expression) has nothing to fuse, and the build (-std=c++17, ISO mode) leaves
 //   GCC's -ffp-contract at off; setup.py enables neither -ffast-math nor -ffp-contract=fast;
 // - std::sqrt(float) and float division are correctly rounded (IEEE 754).
+#include "messages.h"
 #include "rms_norm.h"
 
 #include <ATen/Parallel.h>
@@ -25,13 +26,6 @@
 
 namespace jetrl {
 namespace {
-
-// Numbers go through std::to_string, never streamed into TORCH_CHECK (see quantize.cpp).
-std::string dims(at::IntArrayRef d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 bool supported(at::ScalarType dt) { return dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat; }
 

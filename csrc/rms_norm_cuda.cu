@@ -15,9 +15,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
+#include "cuda_dtypes.cuh"
 #include "rms_norm.h"
 
 namespace jetrl {
@@ -27,31 +26,10 @@ constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarp = 32;
 
 template <typename T>
-struct Cvt;
-
-template <>
-struct Cvt<__nv_bfloat16> {
-  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <>
-struct Cvt<__half> {
-  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
-  __device__ static __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-};
-
-template <>
-struct Cvt<float> {
-  __device__ static __forceinline__ float to_float(float v) { return v; }
-  __device__ static __forceinline__ float from_float(float v) { return v; }
-};
-
-template <typename T>
 __global__ void __launch_bounds__(kNormLanes)
     rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int64_t H, int64_t x_stride,
                     float eps) {
-  using C = Cvt<T>;
+  using C = Round<T>;
   __shared__ float lanes[kNormLanes];
   __shared__ float inv_shared;
 
@@ -101,12 +79,7 @@ void launch_typed(const RmsNormArgs& a, cudaStream_t stream) {
 void rms_norm_cuda(const RmsNormArgs& args, at::ScalarType dtype, const at::Tensor& x) {
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (dtype) {
-    case at::kBFloat16: return launch_typed<__nv_bfloat16>(args, stream);
-    case at::kHalf: return launch_typed<__half>(args, stream);
-    case at::kFloat: return launch_typed<float>(args, stream);
-    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", dtype);
-  }
+  by_dtype(dtype, "rms_norm", [&](auto t) { launch_typed<decltype(t)>(args, stream); });
 }
 
 }  // namespace jetrl

@@ -1,16 +1,11 @@
 // Validation and dispatch of the exact forward's rotary embedding (see rope.h).
+#include "messages.h"
 #include "rope.h"
 
 #include <string>
 
 namespace jetrl {
 namespace {
-
-std::string dims(at::IntArrayRef d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 void check_inputs(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq) {
   TORCH_CHECK(x.defined() && positions.defined() && inv_freq.defined(), "rope: x, positions or inv_freq is undefined");

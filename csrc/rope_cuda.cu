@@ -12,42 +12,14 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
+#include "cuda_dtypes.cuh"
 #include "rope.h"
 
 namespace jetrl {
 namespace {
 
 constexpr int kThreads = 128;
-
-template <typename T>
-struct Round;
-
-template <>
-struct Round<__nv_bfloat16> {
-  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <>
-struct Round<__half> {
-  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
-  __device__ static __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-};
-
-template <>
-struct Round<float> {
-  __device__ static __forceinline__ float to_float(float v) { return v; }
-  __device__ static __forceinline__ float from_float(float v) { return v; }
-};
-
-// v rounded to T and back to fp32 (the value a T tensor holds).
-template <typename T>
-__device__ __forceinline__ float rounded(float v) {
-  return Round<T>::to_float(Round<T>::from_float(v));
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -82,12 +54,7 @@ void launch_typed(const RopeArgs& a, cudaStream_t stream) {
 void rope_cuda(const RopeArgs& args, at::ScalarType dtype, const at::Tensor& x) {
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (dtype) {
-    case at::kBFloat16: return launch_typed<__nv_bfloat16>(args, stream);
-    case at::kHalf: return launch_typed<__half>(args, stream);
-    case at::kFloat: return launch_typed<float>(args, stream);
-    default: TORCH_CHECK(false, "rope: unsupported dtype ", dtype);
-  }
+  by_dtype(dtype, "rope", [&](auto t) { launch_typed<decltype(t)>(args, stream); });
 }
 
 }  // namespace jetrl
