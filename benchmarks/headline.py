@@ -126,7 +126,7 @@ def table(data: Mapping[str, Mapping]) -> str:
         what, target = (cell.replace("|", "\\|") for cell in KEYS.get(key, ("(not described in headline.py)", "")))
         entry = data[key]
         spread = (f"{entry['spread'][0]:.4g}–{entry['spread'][1]:.4g} ({entry['repeats']})" if "spread" in entry
-                  else "— (before repeats were recorded)")
+                  else "— (not recorded)")
         rows.append(f"| `{key}` | {what} | {entry['value']:.4g} | {spread} | {target} | {entry['device']} | "
                     f"{entry['date']} |")
     return "\n".join(rows)
