@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# A multi-GPU host kept busy on every GPU, in the background so the work runs on between device calls
+# The GPU host kept busy on every GPU, in the background so the work runs on between device calls
 # while the machine stays warm (each call may last 10 minutes; the machine is held for 30):
 #
 #   bash benchmarks/gpu_host/lanes.sh start      # install vLLM (bundle in /tmp/vb), build, start the lanes
 #   bash benchmarks/gpu_host/lanes.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
 #   bash benchmarks/gpu_host/lanes.sh run 2 "--tests exact-tiny"   # one more run on GPU 2, in the background
 #
-# First all GPUs together (ALL_ARGS; default: trainer TP=2 into vLLM at rollout TP 2 and 1,
-# tests/gpu/test_vllm_engine.py -k two_gpus, and the 8B sync at those layouts). Then one lane per GPU
-# side by side (LANE0_ARGS, LANE1_ARGS, ... up to the host's GPU count; once one is given, a lane
-# without arguments stays idle). Without any, two lanes:
+# First all GPUs together (ALL_ARGS; default with 2 or more GPUs: trainer TP=2 into vLLM at rollout
+# TP 2 and 1, tests/gpu/test_vllm_engine.py -k two_gpus, and the 8B sync at those layouts). Then one
+# lane per GPU side by side (LANE0_ARGS, LANE1_ARGS, ... up to the host's GPU count; once one is
+# given, a lane without arguments stays idle). Without any, two lanes (on a one-GPU host, both on
+# GPU 0, one after the other):
 #   GPU 0: the vLLM decode benchmark, BF16 / FP8 / FP8+FP8-KV one after another on this one GPU
 #          (the FP8-over-BF16 ratios compare runs of the same GPU), with kernel profiles;
 #   GPU 1: the one-GPU vLLM tests (engine, RL loop), then the sync and the RL-step benchmarks.
 # Last, the table (benchmarks/bench_vllm.py table) with the headline figures.
-# The arguments are vllm_gpu.sh's; " ;; " between two sets runs vllm_gpu.sh once per set, in that
-# order, so a lane's own order is kept. ALL_ARGS=' ' skips the all-GPU phase.
+# The arguments are vllm.sh's; " ;; " between two sets runs vllm.sh once per set, in that order, so
+# a lane's own order is kept. ALL_ARGS=' ' skips the all-GPU phase.
+# The lanes run from this checkout: a folder carried only by an earlier call is gone from it at the
+# next call, so what a run needs beyond the tree belongs under /tmp.
 # Transformer Engine: give one lane a `--with-te ...` run and carry the five .te_pK folders
 # of benchmarks/gpu_host/te_bundle.sh along the `wait` calls (the command is in te_bundle.sh's header).
 # The lanes share the host: each is pinned to its share of the CPU cores (taskset), since a
@@ -28,9 +31,14 @@ case "${1:-}" in
     # install and build once, in the foreground (the lanes would otherwise race for them)
     JETRL_VLLM_OUT=/tmp/vllm_gpu_out/setup bash benchmarks/gpu_host/vllm.sh || exit 1
     gpus=$(nvidia-smi -L | wc -l)
-    [ "$gpus" -ge 2 ] || { echo "vllm_lanes.sh needs 2 or more GPUs; use vllm_gpu.sh"; exit 1; }
-    all=${ALL_ARGS:-'--tests engine-two --sync in_place --sync-tp "2:2 2:1"'}
+    [ "$gpus" -ge 1 ] || { echo "lanes.sh: nvidia-smi lists no GPU here"; exit 1; }
     default_lane=("--decode bf16,fp8,fp8kv --profile" '--tests "engine rl" --sync in_place,update_weights,reload --step')
+    if [ "$gpus" -ge 2 ]; then
+      all=${ALL_ARGS:-'--tests engine-two --sync in_place --sync-tp "2:2 2:1"'}
+    else  # one GPU: nothing runs on all GPUs together; the two default lanes, one after the other
+      all=${ALL_ARGS:-' '}
+      default_lane=("${default_lane[0]} ;; ${default_lane[1]}")
+    fi
     given=$(compgen -v | grep -E '^LANE[0-9]+_ARGS$')
     [ -n "$given" ] && default_lane=()  # lanes named: the others stay idle
     for v in $given; do
@@ -65,7 +73,7 @@ case "${1:-}" in
     setsid nohup bash $lanes/plan.sh >$lanes/plan.log 2>&1 </dev/null &
     echo "lanes started on $gpus GPUs (pid $!)"
     ;;
-  run)  # one more run on a GPU whose lane is done, in the background: vllm_lanes.sh run GPU "ARGS"
+  run)  # one more run on a GPU whose lane is done, in the background: lanes.sh run GPU "ARGS"
     [ -f $lanes/plan.sh ] || { echo "start the lanes first"; exit 1; }
     n=$(ls $lanes/extra*.log 2>/dev/null | wc -l)
     # shellcheck disable=SC2016  # expanded by the started shell
@@ -85,5 +93,5 @@ case "${1:-}" in
     [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm exact_ablation lanes 2>/dev/null
     true
     ;;
-  *) echo "usage: vllm_lanes.sh start | wait SECONDS | run GPU ARGS"; exit 2 ;;
+  *) echo "usage: lanes.sh start | wait SECONDS | run GPU ARGS"; exit 2 ;;
 esac
