@@ -1,4 +1,5 @@
 // Input validation, output allocation and device dispatch for the quantization kernels.
+#include "dtypes.h"
 #include "messages.h"
 #include "quantize.h"
 #include "quantize_math.h"
@@ -18,8 +19,7 @@ void check_input(const at::Tensor& x, double eps, const char* op) {
   TORCH_CHECK(x.defined(), op, ": x is undefined");
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K]; got ", std::to_string(x.dim()), "-D shape ", dims(x.sizes()));
   const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, op,
-              ": x must be bfloat16, float16 or float32; got ", dt);
+  TORCH_CHECK(float_dtype(dt), op, ": x must be bfloat16, float16 or float32; got ", dt);
   TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous (row-major); got strides ", dims(x.strides()),
               ". Call .contiguous() first");
   TORCH_CHECK(x.is_cpu() || x.is_cuda(), op, ": x must be on CPU or CUDA; got ", x.device().str());

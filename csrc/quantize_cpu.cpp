@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "dtypes.h"
 #include "quantize.h"
 #include "quantize_math.h"
 
@@ -75,12 +76,7 @@ void run(const QuantizeArgs& a) {
 }  // namespace
 
 void quantize_cpu(const QuantizeArgs& args, at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kBFloat16: return run<c10::BFloat16>(args);
-    case at::kHalf: return run<c10::Half>(args);
-    case at::kFloat: return run<float>(args);
-    default: TORCH_CHECK(false, "quantize: unsupported dtype ", dtype);
-  }
+  by_cpu_dtype(dtype, "quantize", [&](auto t) { run<decltype(t)>(args); });
 }
 
 }  // namespace jetrl

@@ -7,6 +7,7 @@
 //   (within one expression) has nothing to fuse, and the build (-std=c++17, ISO mode) leaves
 //   GCC's -ffp-contract at off; setup.py enables neither -ffast-math nor -ffp-contract=fast;
 // - std::sqrt(float) and float division are correctly rounded (IEEE 754).
+#include "dtypes.h"
 #include "messages.h"
 #include "rms_norm.h"
 
@@ -27,8 +28,6 @@
 namespace jetrl {
 namespace {
 
-bool supported(at::ScalarType dt) { return dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat; }
-
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.defined(), "rms_norm: x is undefined");
   TORCH_CHECK(x.dim() == 2, "rms_norm: x must be 2-D [R, H]; got ", std::to_string(x.dim()), "-D shape ",
@@ -36,7 +35,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t H = x.size(1);
   TORCH_CHECK(H > 0 && H % kNormLanes == 0, "rms_norm: H (x's last dim) must be a positive multiple of ",
               std::to_string(kNormLanes), " (one lane per column modulo 128); got H = ", std::to_string(H));
-  TORCH_CHECK(supported(x.scalar_type()), "rms_norm: x must be bfloat16, float16 or float32; got ", x.scalar_type());
+  TORCH_CHECK(float_dtype(x.scalar_type()), "rms_norm: x must be bfloat16, float16 or float32; got ", x.scalar_type());
   TORCH_CHECK(x.stride(1) == 1, "rms_norm: x's last dim must be contiguous (stride 1); got strides ",
               dims(x.strides()), ". Call .contiguous() first");
   TORCH_CHECK(x.is_cpu() || x.is_cuda(), "rms_norm: x must be on CPU or CUDA; got ", x.device().str());
@@ -99,12 +98,7 @@ void run_cpu(const RmsNormArgs& a) {
 }
 
 void rms_norm_cpu(const RmsNormArgs& args, at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kBFloat16: return run_cpu<c10::BFloat16>(args);
-    case at::kHalf: return run_cpu<c10::Half>(args);
-    case at::kFloat: return run_cpu<float>(args);
-    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", dtype);
-  }
+  by_cpu_dtype(dtype, "rms_norm", [&](auto t) { run_cpu<decltype(t)>(args); });
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 // Validation and dispatch of the exact forward's rotary embedding (see rope.h).
+#include "dtypes.h"
 #include "messages.h"
 #include "rope.h"
 
@@ -12,8 +13,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& positions, const at::Te
   TORCH_CHECK(x.dim() == 3, "rope: x must be 3-D [T, H, D]; got shape ", dims(x.sizes()));
   const int64_t D = x.size(2);
   TORCH_CHECK(D > 0 && D % 2 == 0, "rope: the head dim D must be even and positive; got D = ", std::to_string(D));
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
-              "rope: x must be bfloat16, float16 or float32; got ", x.scalar_type());
+  TORCH_CHECK(float_dtype(x.scalar_type()), "rope: x must be bfloat16, float16 or float32; got ", x.scalar_type());
   TORCH_CHECK(x.stride(2) == 1, "rope: x's last dim must be contiguous (stride 1); got strides ", dims(x.strides()));
   TORCH_CHECK(x.is_cuda(), "rope: the kernel runs on CUDA; x is on ", x.device().str(),
               " (ops.exact.rope computes the reference elsewhere)");
