@@ -208,7 +208,7 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_jetrl.runtime.profiling import by_class, kernel_ms
+    from megatron_jetrl.runtime.profiling import by_class, kernel_launches, kernel_ms
     from megatron_jetrl.rollout import SamplingParams
 
     g = torch.Generator().manual_seed(1)
@@ -224,9 +224,7 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
         wall = time.perf_counter() - t0
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, params)
-        launches = sum(e.count for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CPU
-                       and not e.key.startswith("cudaGraph") and "Memcpy" not in e.key and "Memset" not in e.key)
-        return kernel_ms(prof), launches, wall
+        return kernel_ms(prof), kernel_launches(prof), wall
 
     (prefill, prefill_n, prefill_s), (whole, whole_n, whole_s) = profiled(1), profiled(1 + steps)
     kernels = {k: v - prefill.get(k, 0.0) for k, v in whole.items()}

@@ -34,18 +34,31 @@ STEP_KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, FlashAtte
 )
 
 
+def _kernel_events(prof) -> Iterator:
+    """The kernel entries of a finished ``torch.profiler`` profile's averages: device activity only,
+    without CUDA-graph launches, memcpys and memsets."""
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU:
+            continue
+        if not e.key.startswith("cudaGraph") and "Memcpy" not in e.key and "Memset" not in e.key:
+            yield e
+
+
 def kernel_ms(prof) -> dict[str, float]:
     """Device milliseconds per kernel name (first 90 characters) of a finished ``torch.profiler``
     profile, without CUDA-graph launches, memcpys and memsets; a profile that also recorded CPU
     activity contributes its kernels only (not the device time its operators add up)."""
     kernels: dict[str, float] = {}
-    for e in prof.key_averages():
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU:
-            continue
+    for e in _kernel_events(prof):
         us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        if us > 0 and not e.key.startswith("cudaGraph") and "Memcpy" not in e.key and "Memset" not in e.key:
+        if us > 0:
             kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + us / 1e3
     return kernels
+
+
+def kernel_launches(prof) -> int:
+    """How many kernels a finished ``torch.profiler`` profile saw run (the kernels of ``kernel_ms``)."""
+    return sum(e.count for e in _kernel_events(prof))
 
 
 def by_class(kernels: dict[str, float], classes: Sequence[tuple[str, str]]) -> dict[str, float]:

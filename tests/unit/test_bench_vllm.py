@@ -198,13 +198,14 @@ def test_kernel_time_by_class():
     from types import SimpleNamespace
 
     from benchmarks.bench_vllm import KERNEL_CLASSES
-    from megatron_jetrl.runtime.profiling import by_class, kernel_ms
+    from megatron_jetrl.runtime.profiling import by_class, kernel_launches, kernel_ms
 
-    events = [SimpleNamespace(key=k, device_time_total=us) for k, us in (
-        ("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>", 2000.0), ("nvjet_sm90_tst_192x128", 5000.0),
-        ("cudaGraphLaunch", 9000.0), ("Memcpy HtoD (Pinned -> Device)", 700.0), ("triton_poi_fused_silu", 300.0),
-        ("some_kernel", 100.0))]
+    events = [SimpleNamespace(key=k, device_time_total=us, count=n) for k, us, n in (
+        ("void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>", 2000.0, 36),
+        ("nvjet_sm90_tst_192x128", 5000.0, 72), ("cudaGraphLaunch", 9000.0, 1),
+        ("Memcpy HtoD (Pinned -> Device)", 700.0, 3), ("triton_poi_fused_silu", 300.0, 36), ("some_kernel", 100.0, 2))]
     kernels = kernel_ms(SimpleNamespace(key_averages=lambda: events))
+    assert kernel_launches(SimpleNamespace(key_averages=lambda: events)) == 36 + 72 + 36 + 2
     assert kernels == {"void cutlass::device_kernel<flash::FlashAttnFwdSm90<...>>": 2.0, "nvjet_sm90_tst_192x128": 5.0,
                        "triton_poi_fused_silu": 0.3, "some_kernel": 0.1}
     assert by_class(kernels, KERNEL_CLASSES) == {"attention": 2.0, "gemm": 5.0, "norm / rope / act": 0.3,
