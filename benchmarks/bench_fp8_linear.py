@@ -137,6 +137,15 @@ def linear_section(tokens: int) -> list[dict]:
     return rows
 
 
+def layer_total(linears: list[dict]) -> dict:
+    """The layer's row of the linear table: the four linears' milliseconds summed, and its speed-ups."""
+    keys = ("bf16_ms", "fp8_ms_weight_quant", "fp8_ms_weight_cached")
+    total = {"shape": "layer", **{k: sum(r[k] for r in linears) for k in keys}}
+    total["speedup_weight_quant"] = total["bf16_ms"] / total["fp8_ms_weight_quant"]
+    total["speedup_weight_cached"] = total["bf16_ms"] / total["fp8_ms_weight_cached"]
+    return total
+
+
 def copy_gbs() -> float:
     """Device-to-device copy of 1 GiB: bytes read + written per second, the bandwidth ceiling."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -240,10 +249,7 @@ def main(argv=None) -> int:
     linears = linear_section(args.tokens)
     print("\n== Linear forward+backward incl. quantization (ms) ==")
     print(f"{'shape':<8} {'bf16':>7} {'fp8+wq':>7} {'fp8':>7} {'speedup+wq':>11} {'speedup':>8}")
-    keys = ("bf16_ms", "fp8_ms_weight_quant", "fp8_ms_weight_cached")
-    total = {"shape": "layer", **{k: sum(r[k] for r in linears) for k in keys}}
-    total["speedup_weight_quant"] = total["bf16_ms"] / total["fp8_ms_weight_quant"]
-    total["speedup_weight_cached"] = total["bf16_ms"] / total["fp8_ms_weight_cached"]
+    total = layer_total(linears)
     for r in [*linears, total]:
         print(f"{r['shape']:<8} {r['bf16_ms']:7.3f} {r['fp8_ms_weight_quant']:7.3f} {r['fp8_ms_weight_cached']:7.3f} "
               f"{r['speedup_weight_quant']:10.2f}x {r['speedup_weight_cached']:7.2f}x")
@@ -253,9 +259,7 @@ def main(argv=None) -> int:
 
         # the layer's speed-up again, twice more (each a sum of per-shape medians): three repeats
         again = [total["speedup_weight_cached"]]
-        for _ in range(2):
-            rows = linear_section(args.tokens)
-            again.append(sum(r["bf16_ms"] for r in rows) / sum(r["fp8_ms_weight_cached"] for r in rows))
+        again += [layer_total(linear_section(args.tokens))["speedup_weight_cached"] for _ in range(2)]
         update(args.headline, {"linear_fp8_over_bf16": Figure.of(again)}, device=device,
                command=command_line("benchmarks.bench_fp8_linear"))
 
