@@ -86,7 +86,13 @@ class _ExactRopeFn(torch.autograd.Function):
 def exact_rope(t_THD: torch.Tensor, positions_T: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary embedding of t [T, H, D] at each token's position with the kernel vLLM's rotary
     embedding runs in the exact mode (``ops.exact.rope``), frequencies ``rope_inv_freq(D, base)``."""
-    return _ExactRopeFn.apply(t_THD, positions_T, rope_inv_freq(t_THD.shape[-1], base, t_THD.device))
+    return _ExactRopeFn.apply(t_THD, positions_T, _inv_freq(t_THD.shape[-1], float(base), t_THD.device))
+
+
+@functools.lru_cache(maxsize=8)
+def _inv_freq(dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """``rope_inv_freq`` made once per head dim, base and device: every layer's q and k use it."""
+    return rope_inv_freq(dim, base, device)
 
 
 class _ExactLinearFn(torch.autograd.Function):
