@@ -16,8 +16,8 @@
 # --decode-args "ARGS": more bench_vllm.py decode arguments, e.g. "--repeats 5 --profile-batch 128".
 # --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
 # ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM; rl-exact: its
-# exact-mode runs only), exact (the exact rollout's tests; exact-tiny / exact-8b: at the tiny model's
-# or Qwen3-8B's widths), or a test file.
+# exact-mode runs only), exact (the exact rollout's one-GPU tests; exact-tiny / exact-8b: at the tiny
+# model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs), or a test file.
 # --ablation "ARGS": benchmarks/exact_ablation.py all ARGS (e.g. "--models tiny,8b6 --runs exact:fp8"),
 # results in /tmp/exact_ablation, its table last.
 # --actor "ARGS": the actor-step benchmark (ARGS are bench_actor_step.py's), torchrun on one
@@ -92,9 +92,10 @@ for t in $tests; do
     engine-two) f=tests/gpu/test_vllm_engine.py; k="two_gpus" ;;
     rl) f=tests/gpu/test_rl_loop.py; k="vllm" ;;
     rl-exact) f=tests/gpu/test_rl_loop.py; k="fp8-exact or vllm-exact" ;;
-    exact) f=tests/gpu/test_exact.py; k="" ;;
-    exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths" ;;
+    exact) f=tests/gpu/test_exact.py; k="not equal_tp_2" ;;
+    exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths and not equal_tp_2" ;;
     exact-8b) f=tests/gpu/test_exact.py; k="8b_widths" ;;
+    exact-two) f=tests/gpu/test_exact.py; k="equal_tp_2" ;;
     *) f=$t; k="" ;;
   esac
   t0=$(date +%s) name=$(basename "$t" .py); [ "$t" = "${t#engine-}" ] || name=$t

@@ -26,7 +26,9 @@ all-reduces over the TP group stay outside the compiled code.
 A third, ``exact`` (``precision.exact``), takes log p(y_t) from the kernel vLLM's sampler computes
 the rollout's logprobs with (``ops.exact.VllmKernels.token_logprobs``, over the logits of the real
 vocabulary), so both are equal bit for bit; lse, entropy and the backward are ``compiled``'s (the
-gradient need not match anything). It needs the whole vocabulary on the rank (tensor parallelism 1).
+gradient need not match anything). Under tensor parallelism the kernel reads whole rows, as vLLM's
+sampler does after gathering its LM head's slices: the TP ranks all-gather theirs, a chunk of rows
+at a time (one [rows, V] copy per chunk, forward only).
 """
 
 from __future__ import annotations
@@ -170,17 +172,34 @@ class _ExactLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TV, labels_T, vocab_start: int, vocab_size: int, group, with_entropy: bool,
                 token_logprobs):
-        if vocab_start != 0 or (group is not None and dist.get_world_size(group) > 1):
-            raise ValueError("exact logprobs need the whole vocabulary on this rank (tensor parallelism 1)")
         _, entropy = _CompiledVocabParallelLogprobs.forward(ctx, logits_TV, labels_T, vocab_start, vocab_size,
                                                             group, with_entropy)
-        real = min(vocab_size, logits_TV.shape[1])
-        logp = token_logprobs(logits_TV[:, :real], labels_T[:, None]).squeeze(1)
+        logp = torch.empty(logits_TV.shape[0], device=logits_TV.device, dtype=torch.float32)
+        tp = dist.get_world_size(group) if group is not None else 1
+        for a, b in _chunks(logits_TV.shape[0], logits_TV.shape[1] * tp):
+            full = _full_vocabulary(logits_TV[a:b], vocab_start, group)
+            logp[a:b] = token_logprobs(full[:, :vocab_size], labels_T[a:b, None]).squeeze(1)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, d_logp, d_entropy):
         return (*_CompiledVocabParallelLogprobs.backward(ctx, d_logp, d_entropy), None)
+
+
+def _full_vocabulary(logits: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+    """These rows' logits over the whole (padded) vocabulary: the TP ranks' slices side by side, in
+    rank order, as vLLM gathers its LM head's (a copy; the slices are all-gathered under TP)."""
+    if group is None or dist.get_world_size(group) == 1:
+        if vocab_start != 0:
+            raise ValueError(f"exact logprobs without a TP group need the whole vocabulary here; this slice starts at "
+                             f"column {vocab_start}")
+        return logits
+    if vocab_start != dist.get_rank(group) * logits.shape[1]:
+        raise ValueError(f"exact logprobs: this rank's vocabulary slice starts at {vocab_start}, not at its TP rank x "
+                         f"{logits.shape[1]} columns")
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):

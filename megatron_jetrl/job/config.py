@@ -280,6 +280,10 @@ def _check_together(job: JobConfig) -> None:
                           "data max_prompt_tokens + rollout.sampling.max_new_tokens); leave it unset to use that")
 
 
+EXACT_MAX_TP = 2
+"""The largest tensor parallelism an exact rollout runs at (equal on both sides)."""
+
+
 def _check_exact(job: JobConfig) -> None:
     """What an exact rollout (``precision.exact``) needs besides the precision mode: one layout both
     sides compute alike, and the kernels the exact forward is made of (``ops/exact.py``)."""
@@ -290,11 +294,13 @@ def _check_exact(job: JobConfig) -> None:
          + " or ".join(name for name, kind in ENGINES.items() if kind.exact)),
         ("actor.fp8_backend", job.actor.fp8_backend, job.actor.fp8_backend == "native" or not job.precision.train_fp8,
          "Transformer Engine's layers compute with TE's kernels, not the engine's: set actor.fp8_backend=native"),
-        ("actor.parallel.tp", par.tp, par.tp == 1,
-         "the exact rollout runs at trainer TP 1 = rollout TP 1 (equal TP 2 is not exact yet): set "
-         "actor.parallel.tp=1"),
-        ("rollout.vllm.tensor_parallel_size", vllm.tensor_parallel_size, vllm.tensor_parallel_size == 1,
-         "the exact rollout runs at trainer TP 1 = rollout TP 1: set rollout.vllm.tensor_parallel_size=1"),
+        ("actor.parallel.tp", par.tp, par.tp <= EXACT_MAX_TP,
+         f"the exact rollout runs at TP 1 or 2 (the TP all-reduce of two partial sums is one addition, the same "
+         f"on both sides; more ranks add in orders each side picks for itself): set actor.parallel.tp="
+         f"{EXACT_MAX_TP} or 1"),
+        ("rollout.vllm.tensor_parallel_size", vllm.tensor_parallel_size, vllm.tensor_parallel_size == par.tp,
+         f"the exact rollout needs the trainer's layout in the engine (each rank the same slices of every GEMM): "
+         f"set rollout.vllm.tensor_parallel_size={par.tp} (actor.parallel.tp)"),
         ("actor.parallel.pp", par.pp, par.pp == 1, "the exact rollout is verified at PP 1: set actor.parallel.pp=1"),
         ("rollout.vllm.kv_cache_dtype", vllm.kv_cache_dtype, vllm.kv_cache_dtype == "auto",
          "an FP8 KV cache has no exact trainer-side attention yet: set rollout.vllm.kv_cache_dtype=auto"),

@@ -1,5 +1,6 @@
 """Vocab-parallel logprobs and entropy over a TP=2 gloo group equal a full-vocab log_softmax on one
-process, values and gradients, with the padded vocab tail split across ranks."""
+process, values and gradients, with the padded vocab tail split across ranks; the exact impl hands
+the engine's kernel whole rows, so its logprobs are that kernel's on the full vocabulary, bit for bit."""
 
 import os
 
@@ -19,6 +20,13 @@ def _inputs():
     return logits, labels, w_lp, w_ent
 
 
+def _token_logprobs(logits, ids):
+    """A stand-in for the engine's kernel (``VllmKernels.token_logprobs``): [M, V], [M, 1] -> [M, 1]."""
+    if logits.shape[1] != V_REAL:
+        raise AssertionError(f"token_logprobs got {logits.shape[1]} columns, not the whole real vocabulary")
+    return torch.log_softmax(logits.float(), -1).gather(1, ids)
+
+
 def _worker(rank, port, impl, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=TP)
@@ -29,7 +37,8 @@ def _worker(rank, port, impl, results):
         width = V_PADDED // TP
         local = logits[:, rank * width:(rank + 1) * width].clone().requires_grad_()
         lp, ent = vocab_parallel_logprobs(local, labels, vocab_start=rank * width, vocab_size=V_REAL,
-                                          group=torch.distributed.group.WORLD, with_entropy=True, impl=impl)
+                                          group=torch.distributed.group.WORLD, with_entropy=True, impl=impl,
+                                          token_logprobs=_token_logprobs if impl == "exact" else None)
         (lp * w_lp + ent * w_ent).sum().backward()
         results.put((rank, lp.tolist(), ent.tolist(), local.grad.tolist(), None))  # tensors die with the process
     except Exception as e:  # reported to the test
@@ -38,7 +47,7 @@ def _worker(rank, port, impl, results):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("impl", ["eager", "compiled"])
+@pytest.mark.parametrize("impl", ["eager", "compiled", "exact"])
 def test_tp2_logprobs_entropy_and_grads_equal_full_vocab(impl):
     port = free_port()
     out = run_ranks(_worker, TP, port, impl, timeout=180)
@@ -54,6 +63,8 @@ def test_tp2_logprobs_entropy_and_grads_equal_full_vocab(impl):
     for rank, lp, ent, grad, _ in out:
         lp, ent, grad = torch.tensor(lp), torch.tensor(ent), torch.tensor(grad)
         torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+        if impl == "exact":  # the kernel's own numbers on whole rows, gathered in rank order
+            assert torch.equal(lp, _token_logprobs(logits[:, :V_REAL], labels[:, None]).squeeze(1))
         torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
         width = V_PADDED // TP
         torch.testing.assert_close(grad, full.grad[:, rank * width:(rank + 1) * width], rtol=1e-5, atol=1e-5)

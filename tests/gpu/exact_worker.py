@@ -1,7 +1,7 @@
 """The exact rollout (``precision.exact``) inside real vLLM on a GPU, run under torchrun by
 tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
 
-    torchrun --nproc-per-node 1 tests/gpu/exact_worker.py --root DIR --scenarios NAME
+    torchrun --nproc-per-node 1 tests/gpu/exact_worker.py --root DIR --scenarios NAME   (2 for *_tp2)
 
 - exact_<mode> (bf16, fp8): the tiny Qwen3 (4 layers, random weights sharpened by three supervised
   steps), vLLM with torch.compile and CUDA graphs as a job runs it. vLLM samples (temperature 1) for
@@ -11,6 +11,8 @@ tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
   sync, and the same again.
 - exact_fp8_8b6 / exact_bf16_8b6: 6 layers at Qwen3-8B widths (vocabulary 151,936), random
   weights from megatron's initialisation (not vLLM's dummy weights, whose logits are uniform).
+- exact_fp8_tp2 / exact_bf16_tp2 / exact_fp8_8b6_tp2: the same at trainer TP 2 (sequence parallel)
+  = rollout TP 2, two GPUs, one engine over both ranks; each rank's logprobs equal vLLM's.
 - exact_fallback: an engine whose norm / activation / rotary replacements were not installed (as
   if vLLM ignored them) must refuse to start, naming the modules; an actor whose modules are not
   all exact must refuse too.
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
 from megatron_jetrl.algo import cross_entropy_loss  # noqa: E402
-from megatron_jetrl.models import bridge_for  # noqa: E402
+from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
 from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
 from megatron_jetrl.rollout import SamplingParams  # noqa: E402
 from megatron_jetrl.rollout import vllm_exact  # noqa: E402
@@ -73,12 +75,13 @@ def policy_loss(inputs):
 
 
 class Scenarios(VllmScenarios):
-    def _exact_actor(self, mode: str, hf_config: dict | None, mb_tokens: int) -> Actor:
+    def _exact_actor(self, mode: str, hf_config: dict | None, mb_tokens: int, tp: int) -> Actor:
         if hf_config is None:  # the tiny model, from its converted checkpoint
-            actor = self.actor(ARCH, mode=mode, lr=1e-3, exact=True, mb_tokens=mb_tokens)
+            actor = self.actor(ARCH, mode=mode, lr=1e-3, exact=True, mb_tokens=mb_tokens, tp=tp, sp=tp > 1)
         else:  # megatron's random initialisation at real widths
             recipe = PrecisionRecipe(mode=mode, exact=True)
             settings = ActorSettings(precision=recipe, max_tokens_per_microbatch=mb_tokens,
+                                     parallel=ParallelLayout(tp=tp, sequence_parallel=tp > 1),
                                      optimizer=OptimizerSettings(lr=1e-4, weight_decay=0.0, clip_grad=1.0))
             actor = Actor(bridge_for(hf_config), settings)
         vocab = actor.bridge.dims.vocab_size
@@ -106,15 +109,17 @@ class Scenarios(VllmScenarios):
                 "update_forward": equality(update_lp, rollout_lp, mask)}
 
     def _exact(self, name: str, mode: str, *, hf_config: dict | None = None, prompt_len: int = 48,
-               new_tokens: int = 96, mb_tokens: int = 256, memory: float = 0.3):
-        actor = self._exact_actor(mode, hf_config, mb_tokens)
+               new_tokens: int = 96, mb_tokens: int = 256, memory: float = 0.3, tp: int = 1):
+        if self.world != tp:
+            raise RuntimeError(f"{name} runs at trainer TP = rollout TP = {tp}, a GPU each; launched with {self.world}")
+        actor = self._exact_actor(mode, hf_config, mb_tokens, tp)
         recipe = actor.settings.precision
         options = VllmOptions(gpu_memory_utilization=memory, max_model_len=prompt_len + new_tokens, max_num_seqs=256,
-                              cuda_graph_max_batch=256)
+                              cuda_graph_max_batch=256, tensor_parallel_size=tp)
         start = time.perf_counter()
         engine = VllmEngine(actor.bridge.hf_config, recipe, options)
         r = {"engine_start_s": time.perf_counter() - start, "exact_modules": engine.exact_modules}
-        plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, 1, self.world)
+        plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, tp, self.world)
         sync = WeightSync(plan, dist.get_rank(), device=actor.device)
         vocab = actor.bridge.dims.vocab_size
         g = torch.Generator().manual_seed(3)
@@ -125,6 +130,11 @@ class Scenarios(VllmScenarios):
         actor.update(make_batch(vocab, seed=7), cross_entropy_loss)  # the rounds stepped once each already
         r["after_steps"] = self._round(actor, engine, sync, prompts, 4, new_tokens, seed=13)
         r["steps"] = actor.steps
+        if tp > 1:  # one engine over both ranks; each trainer rank's logprobs must equal it
+            cases = {case: r[case] | {"generate_s": None} for case in ("batch1", "batch256", "after_steps")}
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, cases)
+            r["tp"], r["ranks_alike"] = tp, all(c == everyone[0] for c in everyone)
         self.record(name, r)
         engine.close()
         actor.close()
@@ -145,6 +155,20 @@ class Scenarios(VllmScenarios):
 
         self._exact("exact_bf16_8b6", "bf16", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
                     memory=0.25)
+
+    def exact_fp8_tp2(self):
+        self._exact("exact_fp8_tp2", "fp8", tp=2)
+
+    def exact_bf16_tp2(self):
+        self._exact("exact_bf16_tp2", "bf16", tp=2)
+
+    def exact_fp8_8b6_tp2(self):
+        """8B widths at TP 2: megatron pads the vocabulary to 152,064 (76,032 rows a rank), vLLM to
+        151,936 (75,968): the LM head's slices differ, its logits per row must not."""
+        from benchmarks.model_shapes import qwen3_8b_shaped
+
+        self._exact("exact_fp8_8b6_tp2", "fp8", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
+                    memory=0.25, tp=2)
 
     def exact_fallback(self):
         """Neither side starts with a module left on a non-exact kernel."""

@@ -3,8 +3,8 @@ one torchrun launch per engine): the logprob vLLM reports for every sampled toke
 trainer's, bit for bit (``torch.equal``, max |Δlogp| = 0, k3 = 0), in BF16 and unified FP8, for one
 prompt alone and 256 sequences at once, with torch.compile and CUDA graphs as a job runs the
 engine, after a sync and after optimizer steps; the update's own forward gives the same values;
-at the tiny model's widths and at Qwen3-8B's (6 layers); and neither side starts with a module
-left on a non-exact kernel.
+at the tiny model's widths and at Qwen3-8B's (6 layers), at TP 1 and at equal TP 2; and neither
+side starts with a module left on a non-exact kernel.
 
 Skipped (with the reason) where vLLM is not installed; with ``JETRL_REQUIRE_VLLM=1`` (set by
 benchmarks/gpu_host/vllm.sh) a missing vLLM fails instead.
@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.vllm_engine import VllmOptions, engine_env
@@ -25,12 +26,12 @@ WORKER = Path(__file__).with_name("exact_worker.py")
 pytestmark = [pytest.mark.gpu, requires_vllm]
 
 
-def _run(tmp_path_factory, scenario: str) -> dict:
+def _run(tmp_path_factory, scenario: str, nproc: int = 1) -> dict:
     env = engine_env(PrecisionRecipe(exact=True), VllmOptions())  # the launcher's part: vLLM reads these at import
     saved = {var: os.environ.get(var) for var in env}
     os.environ.update(env)
     try:  # for the worker only: later engine tests of this process run without the exact mode's settings
-        data = _launch(tmp_path_factory.mktemp(scenario), 1, scenario, worker=WORKER)
+        data = _launch(tmp_path_factory.mktemp(scenario), nproc, scenario, worker=WORKER)
     finally:
         for var, value in saved.items():
             if value is None:
@@ -61,6 +62,16 @@ def test_rollout_logprobs_equal_the_trainers_bit_for_bit(tmp_path_factory, mode)
 @pytest.mark.parametrize("mode", ["fp8", "bf16"])
 def test_exact_at_qwen3_8b_widths(tmp_path_factory, mode):
     _exact(_run(tmp_path_factory, f"exact_{mode}_8b6"))
+
+
+@pytest.mark.parametrize("scenario", ["exact_fp8_tp2", "exact_bf16_tp2", "exact_fp8_8b6_tp2"])
+def test_exact_at_equal_tp_2(tmp_path_factory, scenario):
+    """Trainer TP 2 (sequence parallel) = rollout TP 2 on two GPUs: the same equalities on every rank."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"equal TP 2 needs 2 GPUs; this host has {torch.cuda.device_count()}")
+    r = _run(tmp_path_factory, scenario, nproc=2)
+    _exact(r)
+    assert r["tp"] == 2 and r["ranks_alike"], r
 
 
 def test_no_side_starts_with_a_non_exact_kernel(tmp_path_factory):

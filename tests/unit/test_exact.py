@@ -222,7 +222,8 @@ def test_an_exact_job_loads_and_round_trips():
 @pytest.mark.parametrize("override, key", [
     ("rollout.engine=hf", "rollout.engine"),
     ("actor.fp8_backend=te", "actor.fp8_backend"),
-    ("actor.parallel.tp=2", "actor.parallel.tp"),
+    ("actor.parallel.tp=4 rollout.vllm.tensor_parallel_size=4", "actor.parallel.tp"),
+    ("actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size"),
     ("rollout.vllm.tensor_parallel_size=2", "rollout.vllm.tensor_parallel_size"),
     ("actor.parallel.pp=2", "actor.parallel.pp"),
     ("rollout.vllm.kv_cache_dtype=fp8", "rollout.vllm.kv_cache_dtype"),
@@ -232,8 +233,14 @@ def test_an_exact_job_loads_and_round_trips():
 ])
 def test_layouts_that_cannot_be_exact_are_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError) as e:
-        load_job("examples/configs/tiny_countdown.yaml", [*EXACT, override])
+        load_job("examples/configs/tiny_countdown.yaml", [*EXACT, *override.split()])
     assert e.value.key == key and "precision.exact" in str(e.value)
+
+
+def test_equal_tp_2_is_an_exact_layout():
+    job = load_job("examples/configs/tiny_countdown.yaml",
+                   [*EXACT, "actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size=2"])
+    assert job.actor.parallel.tp == job.rollout.vllm.tensor_parallel_size == 2
 
 
 def test_models_the_exact_forward_cannot_compute_are_refused():
