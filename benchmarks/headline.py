@@ -6,6 +6,7 @@ significant digits (a KL of 2.3e-7 stays 2.3e-7).
     update(path, {"vllm_sync_8b_s": Figure.of([0.021, 0.020, 0.022])}, device="NVIDIA H100 80GB HBM3",
            command="python -m benchmarks.bench_vllm sync ...")
     python -m benchmarks.headline table [--write docs/benchmarks.md]    # the docs' table, from the file
+    python -m benchmarks.headline merge RESULT.json [...]    # entries a GPU host's run wrote, as they are
 
 The file is read, updated and written back atomically (other keys are kept). ``KEYS`` says what
 every key measures and what it is aimed at: a key the benchmarks write must be listed there (a
@@ -55,6 +56,12 @@ KEYS = {  # key -> (what it is, target or "")
                                        "≥ 0.9×"),
     "rl_step_exact_over_default": ("whole RL step, default FP8 time over exact FP8 time (no recompute), as above",
                                    "> 1×"),
+    "rl_step_8b_full_fp8_over_bf16": ("whole RL step, Qwen3-8B at full size (36 layers) on every GPU of the device, "
+                                      "FP8 over BF16 (layout: the command's)", "≥ 1.3×"),
+    "rl_step_8b_full_tokens_per_s_per_gpu": ("that FP8 step's tokens/s/GPU (NeMo-RL: 3,052, Llama-3.1-8B, 16 × H100)",
+                                             ""),
+    "rl_step_32b_fp8_over_bf16": ("whole RL step, Qwen3-32B shapes on every GPU of the device, FP8 over BF16", ""),
+    "rl_step_32b_tokens_per_s_per_gpu": ("that FP8 step's tokens/s/GPU", ""),
 }
 
 
@@ -112,11 +119,16 @@ def update(path: str | Path, figures: Mapping[str, Figure], *, device: str, comm
             raise ValueError(f"headline {key}: {fig!r} is not a finite number with its repeats")
         data[key] = {"value": _round(fig.value), "repeats": fig.repeats, "spread": [_round(v) for v in fig.spread],
                      "device": device, "command": command, "date": date}
+    _write(path, data)
+    return data
+
+
+def _write(path: Path, data: Mapping) -> None:
+    """The headline file, keys sorted, replaced atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
     os.replace(tmp, path)
-    return data
 
 
 def table(data: Mapping[str, Mapping]) -> str:
@@ -141,12 +153,42 @@ def with_table(text: str, data: Mapping[str, Mapping]) -> str:
     return f"{head}{BEGIN}\n{table(data)}\n{END}{tail}"
 
 
+ENTRY_FIELDS = ("value", "repeats", "spread", "device", "command", "date")
+
+
+def merge(path: str | Path, sources: Sequence[str | Path]) -> list[str]:
+    """Copy the entries of headline files that a benchmark wrote elsewhere (a GPU host's run) into
+    the one at ``path``, unchanged; every entry must be a known key with all of ``ENTRY_FIELDS``,
+    checked for all sources before anything is written. Returns the keys merged."""
+    path = Path(path)
+    incoming: dict = {}
+    for source in sources:
+        for key, entry in json.loads(Path(source).read_text()).items():
+            if key not in KEYS:
+                raise ValueError(f"{source}: headline {key} is not in benchmarks/headline.py KEYS")
+            missing = [f for f in ENTRY_FIELDS if f not in entry]
+            if missing:
+                raise ValueError(f"{source}: headline {key} lacks {', '.join(missing)} (not written by update())")
+            incoming[key] = {f: entry[f] for f in ENTRY_FIELDS}
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.update(incoming)
+    _write(path, data)
+    return sorted(incoming)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="The headline figures as a markdown table.")
-    p.add_argument("command", choices=["table"])
+    p = argparse.ArgumentParser(description="The headline figures as a markdown table; merging a run's entries.")
+    p.add_argument("command", choices=["table", "merge"])
+    p.add_argument("sources", nargs="*", type=Path, help="merge: headline files a benchmark wrote elsewhere")
     p.add_argument("--headline", type=Path, default=HEADLINE)
     p.add_argument("--write", type=Path, help="replace the table between the markers of this markdown file")
     args = p.parse_args(argv)
+    if args.command == "merge":
+        if not args.sources:
+            p.error("merge: name the headline files to merge")
+        keys = merge(args.headline, args.sources)
+        print(f"merged {len(keys)} headline entries into {args.headline}: {', '.join(keys)}")
+        return 0
     data = json.loads(args.headline.read_text())
     if args.write is None:
         print(table(data))

@@ -63,6 +63,7 @@ def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
         "seconds_per_step": {p: [r.get(f"timing/{p}_s", float("nan")) for r in warm] for p in PHASES},
         "tokens_per_timed_step": [r.get("perf/tokens_per_step", float("nan")) for r in warm],
         "tokens_per_s_per_gpu": mean("perf/tokens_per_s_per_gpu", warm),
+        "tokens_per_s_per_gpu_per_step": [r.get("perf/tokens_per_s_per_gpu", float("nan")) for r in warm],
         "tokens_per_step": mean("perf/tokens_per_step", warm),
         "response_length": mean("response/length_mean", train),
         "entropy": mean("actor/entropy", train),

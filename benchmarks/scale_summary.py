@@ -2,11 +2,17 @@
 memory per GPU measured, next to the memory plan ``jetrl check`` gives for the same config.
 
     python -m benchmarks.scale_summary RUN_DIR [...] --world-size 4 [--json OUT]
+        [--headline FILE --headline-key rl_step_8b_full --command "THE RUNS' COMMAND"]
 
 Times are means over steps 2.. (step 1 includes CUDA-graph capture and allocator warm-up). Memory
 is the largest over ranks and steps: PyTorch's peak allocation in the generate phase and in the
 update phase, and the device's used memory (PyTorch's reservation plus CUDA context, NCCL,
 cuBLAS workspaces and graph pools).
+
+``--headline``: with runs named ``fp8`` and ``bf16`` (the same work: equal tokens in every timed
+step, else no figure), ``KEY_fp8_over_bf16`` (BF16 step time over FP8's, paired step by step) and
+``KEY_tokens_per_s_per_gpu`` (the FP8 run's, per timed step) go into FILE: medians over the timed
+steps with their range, the device (GPU count and name, read on this host) and ``--command``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 from megatron_jetrl.job import load_job, resolve
 
 from benchmarks import rl_summary
+from benchmarks.headline import Figure, update
 
 PHASES = rl_summary.TABLE_PHASES
 MEASURED = ("generate_peak_allocated", "update_peak_allocated", "peak_reserved", "device_used")
@@ -43,12 +50,31 @@ def summarise(run_dir: Path, world_size: int) -> dict:
     }
 
 
+def headline_figures(runs: dict[str, dict], key: str) -> dict[str, Figure]:
+    """``KEY_fp8_over_bf16`` and ``KEY_tokens_per_s_per_gpu`` from the ``fp8`` and ``bf16`` runs'
+    timed steps (module docstring); raises when they are missing or did not do the same work."""
+    if not {"fp8", "bf16"} <= set(runs):
+        raise ValueError(f"--headline needs runs named fp8 and bf16; got {', '.join(runs)}")
+    fp8, bf16 = runs["fp8"], runs["bf16"]
+    if fp8["tokens_per_timed_step"] != bf16["tokens_per_timed_step"]:
+        raise ValueError(f"fp8 and bf16 did not process the same tokens per timed step ({fp8['tokens_per_timed_step']}"
+                         f" vs {bf16['tokens_per_timed_step']}): no headline figure (fixed lengths: "
+                         "rollout.sampling.ignore_eos=true)")
+    return {f"{key}_fp8_over_bf16": Figure.ratio(bf16["seconds_per_step"]["step"], fp8["seconds_per_step"]["step"]),
+            f"{key}_tokens_per_s_per_gpu": Figure.of(fp8["tokens_per_s_per_gpu_per_step"])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--headline", type=Path, help="headline file for the fp8 / bf16 figures (module docstring)")
+    ap.add_argument("--headline-key", help="the figures' key prefix, e.g. rl_step_8b_full")
+    ap.add_argument("--command", help="the command that made the runs, recorded with the figures")
     args = ap.parse_args()
+    if args.headline and not (args.headline_key and args.command):
+        ap.error("--headline needs --headline-key and --command (what the figures are and how they were made)")
     results = []
     for run in args.runs:
         if not (run / "metrics.jsonl").is_file():
@@ -71,6 +97,14 @@ def main() -> None:
               f"{p['peak']:>10.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    if args.headline:
+        import torch
+
+        figures = headline_figures({r["run"]: r for r in results}, args.headline_key)
+        device = f"{args.world_size} × {torch.cuda.get_device_name()}"
+        update(args.headline, figures, device=device, command=args.command)
+        print(f"\nheadline -> {args.headline} ({device}): " + ", ".join(
+            f"{k} {f.value:.4g} ({f.spread[0]:.4g}–{f.spread[1]:.4g}, {f.repeats})" for k, f in figures.items()))
 
 
 if __name__ == "__main__":

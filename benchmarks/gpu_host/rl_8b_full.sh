@@ -9,8 +9,12 @@
 #   third carrying [".vllm_p3", ".whl"]:  bash benchmarks/gpu_host/rl_8b_full.sh start
 #   then, back to back until it says ALL DONE:   bash benchmarks/gpu_host/rl_8b_full.sh wait 560
 #   (the whole run takes longer than one call; it runs on in the background while the machine is held)
-#   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 4) override the layout.
-# Logs and metrics go back as $OUT/vllm_8b_multi.tgz. Without an argument it runs in the foreground.
+#   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 4) override the layout; PREEMPT=0
+#   skips the checkpoint/resume part. Responses have fixed lengths (ignore_eos), so both modes do the
+#   same work; the timed steps (2..STEPS) give the headline figures rl_step_8b_full_* in
+#   $out/headline.json (merge them with python -m benchmarks.headline merge).
+# Logs, metrics and the runs' configs go back as $OUT/vllm_8b_multi.tgz. Without an argument it runs
+# in the foreground.
 set -uo pipefail
 out=/tmp/vllm_8b_out
 case "${1:-}" in
@@ -32,13 +36,14 @@ JETRL_VLLM_OUT=$out/setup bash benchmarks/gpu_host/vllm.sh || exit 1  # installs
 export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
-tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-4}
+tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-4} preempt=${PREEMPT:-1}
+command="TP=$tp RTP=$rtp STEPS=$steps PREEMPT=$preempt bash benchmarks/gpu_host/rl_8b_full.sh"
 [ "$gpus" -ge 4 ] || { echo "vllm_8b_multi.sh is for 4 or 8 GPUs; this host has $gpus"; exit 1; }
 cfg=benchmarks/configs/qwen3_8b_dims.yaml
 layout=(model.config.num_hidden_layers=36 rollout.engine=vllm actor.parallel.tp="$tp"
         actor.parallel.sequence_parallel=true rollout.vllm.tensor_parallel_size="$rtp"
-        rollout.offload_actor=true rollout.vllm.gpu_memory_utilization=0.7 log.console=false
-        run.save_every=0)
+        rollout.offload_actor=true rollout.vllm.gpu_memory_utilization=0.7 rollout.sampling.ignore_eos=true
+        log.console=false run.save_every=0)
 runs=/tmp/vllm_8b_runs
 rm -rf "$runs" && mkdir -p "$runs" "$out"
 rc_all=0
@@ -61,42 +66,39 @@ for mode in fp8 bf16; do
     || { rc_all=1; grep -E "Error|error:|Traceback" "$out/$mode.log" | grep -v -i warn | head -8; }
 done
 
-# SIGUSR1 -> checkpoint -> resume: the workers (not torchrun) get the signal once step 2 is logged;
-# they checkpoint after the step they are in and exit 75 (torchrun reports that as its own failure);
-# the same command then continues from that checkpoint to the last step
-( train preempt 540 precision.mode=fp8 run.steps=4 ) &
-job=$!
-for _ in $(seq 1 480); do
-  [ "$(grep -c '"step": 2,' "$runs/preempt/metrics.jsonl" 2>/dev/null)" -ge 1 ] && break
-  kill -0 $job 2>/dev/null || break
-  sleep 1
-done
-pgrep -f "megatron_jetrl.cli train .*$runs/preempt" | while read -r pid; do
-  grep -qa "torch.distributed.run\|torchrun" "/proc/$pid/cmdline" || kill -USR1 "$pid"
-done
-wait $job
-saved=$(cat "$runs/preempt/checkpoints/latest" 2>/dev/null || echo none)
-stopped_at=$(grep -c '"reward/mean"' "$runs/preempt/metrics.jsonl" 2>/dev/null)
-train preempt 540 precision.mode=fp8 run.steps=4; second=$?
-done_steps=$(grep -c '"reward/mean"' "$runs/preempt/metrics.jsonl" 2>/dev/null)
-echo "preempt: stopped after $stopped_at steps with checkpoint $saved; the rerun (rc=$second) ended with" \
-  "$done_steps logged steps"
-[ "$saved" != none ] && [ "$stopped_at" -lt 4 ] && [ $second -eq 0 ] && [ "$done_steps" -ge 4 ] || rc_all=1
+if [ "$preempt" = 1 ]; then
+  # SIGUSR1 -> checkpoint -> resume: the workers (not torchrun) get the signal once step 2 is logged;
+  # they checkpoint after the step they are in and exit 75 (torchrun reports that as its own failure);
+  # the same command then continues from that checkpoint to the last step
+  ( train preempt 540 precision.mode=fp8 run.steps=4 ) &
+  job=$!
+  for _ in $(seq 1 480); do
+    [ "$(grep -c '"step": 2,' "$runs/preempt/metrics.jsonl" 2>/dev/null)" -ge 1 ] && break
+    kill -0 $job 2>/dev/null || break
+    sleep 1
+  done
+  pgrep -f "megatron_jetrl.cli train .*$runs/preempt" | while read -r pid; do
+    grep -qa "torch.distributed.run\|torchrun" "/proc/$pid/cmdline" || kill -USR1 "$pid"
+  done
+  wait $job
+  saved=$(cat "$runs/preempt/checkpoints/latest" 2>/dev/null || echo none)
+  stopped_at=$(grep -c '"reward/mean"' "$runs/preempt/metrics.jsonl" 2>/dev/null)
+  train preempt 540 precision.mode=fp8 run.steps=4; second=$?
+  done_steps=$(grep -c '"reward/mean"' "$runs/preempt/metrics.jsonl" 2>/dev/null)
+  echo "preempt: stopped after $stopped_at steps with checkpoint $saved; the rerun (rc=$second) ended with" \
+    "$done_steps logged steps"
+  [ "$saved" != none ] && [ "$stopped_at" -lt 4 ] && [ $second -eq 0 ] && [ "$done_steps" -ge 4 ] || rc_all=1
+fi
 
-for f in "$runs"/*/metrics.jsonl; do cp "$f" "$out/$(basename "$(dirname "$f")").metrics.jsonl"; done
-[ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C /tmp vllm_8b_out
+for f in "$runs"/*/metrics.jsonl; do
+  d=$(dirname "$f"); n=$(basename "$d")
+  cp "$f" "$out/$n.metrics.jsonl"; cp "$d/config.yaml" "$out/$n.config.yaml" 2>/dev/null
+done
 echo
 echo "== Qwen3-8B, $gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), TP=$tp, rollout TP=$rtp"
-python3 -m benchmarks.rl_summary "$out"/fp8.metrics.jsonl "$out"/bf16.metrics.jsonl "$out"/preempt.metrics.jsonl \
-  --json "$out/summary.json" 2>&1 | tail -12
-python3 - "$out/summary.json" "$out/plan.log" <<'PYEOF'
-import json, re, sys
-runs = {r["run"]: r for r in json.load(open(sys.argv[1]))}
-plan = re.search(r"peak \([^)]*\)\s+([\d.]+)", open(sys.argv[2]).read())
-print(f"memory per GPU: plan peak {plan.group(1) if plan else '?'} GiB; measured device use " +
-      ", ".join(f"{n} {r['memory_gib'].get('device_used', float('nan')):.1f} GiB" for n, r in runs.items()))
-if {"fp8", "bf16"} <= set(runs):
-    print(f"FP8 / BF16 step speed: {runs['bf16']['seconds']['step'] / runs['fp8']['seconds']['step']:.2f}x")
-PYEOF
+python3 -m benchmarks.rl_summary "$out"/*.metrics.jsonl --json "$out/summary.json" 2>&1 | tail -12
+python3 -m benchmarks.scale_summary "$runs"/fp8 "$runs"/bf16 --world-size "$gpus" --json "$out/scale.json" \
+  --headline "$out/headline.json" --headline-key rl_step_8b_full --command "$command" 2>&1 || rc_all=1
+[ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C /tmp vllm_8b_out
 echo "vllm_8b_multi rc=$rc_all"
 exit $rc_all

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_vllm
-from benchmarks.headline import BEGIN, END, KEYS, Figure, command_line, update, with_table
+from benchmarks.headline import BEGIN, END, KEYS, Figure, command_line, merge, update, with_table
 from benchmarks.headline import table as headline_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +34,45 @@ def test_headline_update_keeps_other_keys_and_refuses_non_numbers(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["headline.json"]  # no temporary left
     k3 = update(path, {"vllm_k3_fp8_8b6": Figure.of([2.345678e-7])}, device="GPU", command="x")["vllm_k3_fp8_8b6"]
     assert k3["value"] == 2.3457e-7  # not 0.0
+
+
+def test_merge_copies_a_runs_entries_and_refuses_hand_made_ones(tmp_path):
+    main, run = tmp_path / "headline.json", tmp_path / "run.json"
+    update(main, {"vllm_sync_8b_s": Figure.of([0.4])}, device="GPU X", command="a")
+    written = update(run, {"rl_step_8b_full_fp8_over_bf16": Figure.of([1.2, 1.1, 1.3])}, device="4 × GPU Y",
+                     command="TP=4 bash x.sh")
+    assert merge(main, [run]) == ["rl_step_8b_full_fp8_over_bf16"]
+    data = json.loads(main.read_text())
+    assert data["rl_step_8b_full_fp8_over_bf16"] == written["rl_step_8b_full_fp8_over_bf16"]
+    assert data["vllm_sync_8b_s"]["command"] == "a"
+    before = main.read_text()
+    hand = tmp_path / "hand.json"
+    hand.write_text(json.dumps({"vllm_sync_8b_s": {"value": 0.1, "device": "GPU"}}))
+    with pytest.raises(ValueError, match="lacks repeats, spread, command, date"):
+        merge(main, [run, hand])
+    hand.write_text(json.dumps({"made_up": written["rl_step_8b_full_fp8_over_bf16"]}))
+    with pytest.raises(ValueError, match="made_up is not in"):
+        merge(main, [hand])
+    assert main.read_text() == before  # nothing written when any source is refused
+
+
+def test_scale_headline_figures_need_the_same_work():
+    from benchmarks.scale_summary import headline_figures
+
+    def run(name, step_s, tok_s, tokens):
+        return {"run": name, "seconds_per_step": {"step": step_s}, "tokens_per_s_per_gpu_per_step": tok_s,
+                "tokens_per_timed_step": tokens}
+
+    fp8 = run("fp8", [10.0, 11.0, 9.0], [3000.0, 2800.0, 3100.0], [70000] * 3)
+    bf16 = run("bf16", [13.0, 13.2, 12.6], [2300.0, 2250.0, 2400.0], [70000] * 3)
+    figs = headline_figures({"fp8": fp8, "bf16": bf16}, "rl_step_8b_full")
+    assert figs["rl_step_8b_full_fp8_over_bf16"] == Figure.ratio([13.0, 13.2, 12.6], [10.0, 11.0, 9.0])
+    assert figs["rl_step_8b_full_tokens_per_s_per_gpu"] == Figure(3000.0, 3, (2800.0, 3100.0))
+    assert set(figs) <= set(KEYS)
+    with pytest.raises(ValueError, match="same tokens"):
+        headline_figures({"fp8": fp8, "bf16": {**bf16, "tokens_per_timed_step": [69000] * 3}}, "rl_step_8b_full")
+    with pytest.raises(ValueError, match="fp8 and bf16"):
+        headline_figures({"fp8": fp8}, "rl_step_8b_full")
 
 
 def test_figures_are_medians_with_their_spread():
