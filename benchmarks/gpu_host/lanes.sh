@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_host/lanes.sh start      # install vLLM (bundle in /tmp/vb), build, start the lanes
 #   bash benchmarks/gpu_host/lanes.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
 #   bash benchmarks/gpu_host/lanes.sh run 2 "--tests exact-tiny"   # one more run on GPU 2, in the background
+#   bash benchmarks/gpu_host/lanes.sh run 0,1 "--tests exact-two"  # ... or on GPUs 0 and 1 (wait waits for it)
 #
 # First all GPUs together (ALL_ARGS; default with 2 or more GPUs: trainer TP=2 into vLLM at rollout
 # TP 2 and 1, tests/gpu/test_vllm_engine.py -k two_gpus, and the 8B sync at those layouts). Then one
@@ -73,7 +74,7 @@ case "${1:-}" in
     setsid nohup bash $lanes/plan.sh >$lanes/plan.log 2>&1 </dev/null &
     echo "lanes started on $gpus GPUs (pid $!)"
     ;;
-  run)  # one more run on a GPU whose lane is done, in the background: lanes.sh run GPU "ARGS"
+  run)  # one more run on GPUs no lane uses (or whose lane is done), in the background: lanes.sh run GPUS "ARGS"
     [ -f $lanes/plan.sh ] || { echo "start the lanes first"; exit 1; }
     n=$(ls $lanes/extra*.log 2>/dev/null | wc -l)
     # shellcheck disable=SC2016  # expanded by the started shell
@@ -84,14 +85,19 @@ case "${1:-}" in
     ;;
   wait)
     end=$(( $(date +%s) + ${2:-560} ))
-    while [ ! -f $lanes/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+    running() {  # the planned lanes, or an extra run, not finished
+      [ -f $lanes/done ] || return 0
+      for f in $lanes/extra*.log; do [ -f "$f" ] && ! grep -q "^lane rc=" "$f" && return 0; done
+      return 1
+    }
+    while running && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
     for f in $lanes/all.log $lanes/gpu*.log $lanes/extra*.log $lanes/table.log; do
       [ -f "$f" ] && { echo "== $(basename "$f" .log)"; grep -vE "^\s*$" "$f" | tail -25; }
     done
     ls /tmp/bench_vllm 2>/dev/null | tr '\n' ' '; echo
-    [ -f $lanes/done ] && echo "ALL DONE" || echo "still running"
+    running && echo "still running" || echo "ALL DONE"
     [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm exact_ablation lanes 2>/dev/null
     true
     ;;
-  *) echo "usage: lanes.sh start | wait SECONDS | run GPU ARGS"; exit 2 ;;
+  *) echo "usage: lanes.sh start | wait SECONDS | run GPUS ARGS"; exit 2 ;;
 esac
