@@ -87,6 +87,9 @@ class Trainer:
         """Rank 0's kernels stand for the step's (the other ranks run unprofiled)."""
         self.warmup = Warmup(job, resolved, data, run_dir, actor_cls=actor_cls, console=self.console)
         self.step = 0
+        self.kv_scales = torch.ones(resolved.bridge.dims.num_layers, 3)
+        """The FP8 KV-cache scales the engine holds ([num_layers, 3]: q, k, v; with
+        rollout.vllm.kv_cache_dtype=fp8): ones until a step measures them; checkpointed."""
         self.actor = None
         self.colocation: Optional[Colocation] = None
         self.metrics: Optional[MetricsLogger] = None
@@ -139,9 +142,10 @@ class Trainer:
             batch, extra, kv_scales = self.prepare_update(batch)
         metrics.update(extra)
         with self._phase("update"):
-            metrics.update(self.update(batch))
+            update_metrics, measured = self.update(batch)
+            metrics.update(update_metrics)
         with self._phase("sync"):
-            self.sync_weights(kv_scales)
+            self.sync_weights(measured if measured is not None else kv_scales)
         seconds = self.timer.seconds
         seconds["step"] = sum(seconds.values())
         metrics.update({f"timing/{k}_s": v for k, v in seconds.items()})
@@ -236,24 +240,33 @@ class Trainer:
             fields["ref_logprobs"] = self.actor.reference_logprobs(batch)
         return dataclasses.replace(batch, fields=fields), metrics, kv_scales
 
-    def update(self, batch) -> dict[str, float]:
-        """One optimizer step; its metrics. With an exact rollout, also the mismatch metrics of the
-        step's forward (computed with the weights the rollout used) against the rollout's logprobs:
-        ``rollout_corr/k3_kl`` 0 and ``rollout_corr/unequal_tokens`` 0 when it holds."""
+    def update(self, batch) -> tuple[dict[str, float], Optional[torch.Tensor]]:
+        """One optimizer step; its metrics, and the FP8 KV-cache scales its forward measured (None
+        unless the rollout is exact with an FP8 KV cache: then no logprob pass measures them). With
+        an exact rollout, also the mismatch metrics of the step's forward (computed with the weights
+        the rollout used) against the rollout's logprobs: ``rollout_corr/k3_kl`` 0 and
+        ``rollout_corr/unequal_tokens`` 0 when it holds."""
         if not self.job.precision.exact:
-            return {f"actor/{k}": v for k, v in self.actor.update(batch, self.loss_fn).items()}
-        out, logprobs = self.actor.update(batch, self.loss_fn, with_logprobs=True)
+            return {f"actor/{k}": v for k, v in self.actor.update(batch, self.loss_fn).items()}, None
+        measure = self.job.rollout.fp8_kv_cache
+        with self.actor.kv_scale_meter() if measure else contextlib.nullcontext() as meter:
+            out, logprobs = self.actor.update(batch, self.loss_fn, with_logprobs=True)
         metrics = {f"actor/{k}": v for k, v in out.items()}
         metrics.update(mismatch_metrics(logprobs, batch.fields["rollout_logprobs"], batch.fields["loss_mask"]))
-        return metrics
+        return metrics, meter.scales if measure else None
 
     def sync_weights(self, kv_scales: Optional[torch.Tensor] = None) -> None:
-        """The actor's weights (its FP8 bytes and scales) into the engine, and the FP8 KV-cache
-        scales measured by this step's logprob pass when the engine keeps an FP8 KV cache. The
-        engine retakes only its weight memory here; its KV cache waits until the actor has left the
-        GPU (``Colocation.rollout_mode``)."""
-        self.sync.sync(self.actor.weight_shards(), self.engine,
-                       kv_scales=kv_scales if self.job.rollout.fp8_kv_cache else None)
+        """The actor's weights (its FP8 bytes and scales) into the engine and, when the engine keeps
+        an FP8 KV cache, the KV-cache scales: this step's measured ones, else those it holds already
+        (``self.kv_scales``: ones at a fresh start, the checkpoint's after a resume). An exact actor
+        then computes with the same scales. The engine retakes only its weight memory here; its KV
+        cache waits until the actor has left the GPU (``Colocation.rollout_mode``)."""
+        if kv_scales is not None:
+            self.kv_scales = kv_scales
+        scales = self.kv_scales if self.job.rollout.fp8_kv_cache else None
+        self.sync.sync(self.actor.weight_shards(), self.engine, kv_scales=scales)
+        if scales is not None and self.job.precision.exact:
+            self.actor.use_rollout_kv_scales(scales)
         self.colocation.synced()
 
     def evaluate(self) -> dict[str, float]:
@@ -321,7 +334,8 @@ class Trainer:
         self.actor.save(staging / "actor", extra={"step": self.step})
         save_rng(staging, self.rank)
         if self.rank == 0:
-            state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.job.to_dict()}
+            state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.job.to_dict(),
+                     "kv_scales": self.kv_scales.tolist()}
             save_json_atomic(staging / "trainer_state.json", state)
         self.checkpoints.commit(self.step)
         self.console.log(f"checkpoint step {self.step} saved in {time.perf_counter() - start:.1f} s")
@@ -343,6 +357,8 @@ class Trainer:
                                f"step {state['step']}")
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
+        if "kv_scales" in state:  # checkpoints written before the scales were kept: ones, as at a start
+            self.kv_scales = torch.tensor(state["kv_scales"], dtype=torch.float32)
         load_rng(checkpoint, self.rank)
         self.console.log(f"resumed from {checkpoint} (step {self.step})")
 

@@ -85,6 +85,15 @@ class TokenLogprobs:
 
 
 @dataclass
+class KvScaleMeter:
+    """What ``Actor.kv_scale_meter`` measures: the observer its passes report to, and the scales
+    ([num_layers, 3] fp32, CPU) set when the block ends."""
+
+    observer: KvAmaxObserver
+    scales: Optional[torch.Tensor] = None
+
+
+@dataclass
 class _MicroBatch:
     real_tokens: int
     tokens: torch.Tensor
@@ -155,19 +164,38 @@ class Actor:
         self.model.eval()
         plan = self._plan(batch)
         micro_batches = self._micro_batches(batch, plan[parallel_state.get_data_parallel_rank()])
-        observer = KvAmaxObserver(self.bridge.dims.num_layers, self.device,
-                                  tp_group=parallel_state.get_tensor_model_parallel_group()) if kv_scales else None
-        with torch.no_grad(), self._kv_observed(observer):
+        with torch.no_grad(), (self.kv_scale_meter() if kv_scales else contextlib.nullcontext()) as meter:
             outputs = self._run(micro_batches, forward_only=True,
                                 loss_func=partial(self._collect_logprobs, with_entropy=with_entropy))
         names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
         local = self._pipeline_results(outputs, micro_batches, names)
         full = self._gather_data_parallel(local, plan, batch)
-        scales = None
-        if observer is not None:
-            dist.all_reduce(observer.amax, op=dist.ReduceOp.MAX)  # heads over TP, layers over PP, data over DP
-            scales = kv_scales_from_amax(observer.amax).cpu()
-        return TokenLogprobs(full["logprobs"], full.get("entropy"), scales)
+        return TokenLogprobs(full["logprobs"], full.get("entropy"), meter.scales if kv_scales else None)
+
+    @contextlib.contextmanager
+    def kv_scale_meter(self) -> Iterator["KvScaleMeter"]:
+        """Inside the block every forward pass of this actor measures the FP8 KV-cache scales
+        (``precision/kv_cache.py``); at its end ``meter.scales`` holds them ([num_layers, 3] fp32,
+        CPU, alike on every rank). Collective: every rank of the job enters and leaves it."""
+        meter = KvScaleMeter(KvAmaxObserver(self.bridge.dims.num_layers, self.device,
+                                            tp_group=parallel_state.get_tensor_model_parallel_group()))
+        with self._kv_observed(meter.observer):
+            yield meter
+        dist.all_reduce(meter.observer.amax, op=dist.ReduceOp.MAX)  # heads over TP, layers over PP, data over DP
+        meter.scales = kv_scales_from_amax(meter.observer.amax).cpu()
+
+    def use_rollout_kv_scales(self, scales: torch.Tensor) -> None:
+        """The FP8 KV-cache scales ([num_layers, 3]: q, k, v) the engine computes with from now on:
+        the exact forward (``precision.exact``) quantizes its q, k, v with them, as the engine does."""
+        if self._exact is None:
+            raise RuntimeError("rollout KV-cache scales are for the exact forward (precision.exact)")
+        if tuple(scales.shape) != (self.bridge.dims.num_layers, 3):
+            raise ValueError(f"KV-cache scales of shape {list(scales.shape)}; the model has "
+                             f"[{self.bridge.dims.num_layers}, 3]")
+        on_device = scales.to(self.device, torch.float32)
+        for m in self.gpt.modules():
+            if isinstance(m, PackedCoreAttention):
+                m.exact_kv_scales = on_device[m.layer_number - 1].contiguous()
 
     def update(self, batch: PackedBatch, loss_fn: LossFn, *, with_logprobs: bool = False):
         """One optimizer step on ``batch`` with ``loss_fn`` (see ``megatron_jetrl.algo.LossInputs``);

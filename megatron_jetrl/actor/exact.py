@@ -9,8 +9,9 @@ ordinary gradient (the backward never has to match anything):
 - ``exact_linear``: BF16 GEMM forward with vLLM's batch-invariant matmul (the LM head, and every
   linear of a BF16 layer); backward ``dx = dy·W``, ``dW = dyᵀ·x`` with torch's matmul.
 - ``exact_attention``: FlashAttention over a paged view of the packed K/V with one split, as vLLM
-  attends; backward by recomputing torch's varlen attention (the trainer's usual kernel) on the
-  same q, k, v.
+  attends (with an FP8 KV cache: q, k, v quantized by the cache's scales, K/V written by vLLM's
+  cache kernel); backward by recomputing torch's varlen attention (the trainer's usual kernel) on
+  the same BF16 q, k, v.
 - FP8 linears keep ``fp8_block_linear`` with its FProp GEMM swapped for vLLM's CUTLASS call
   (``VllmKernels.fp8_gemm``); DGrad and WGrad stay the trainer's.
 - ``exact_rope``: forward with ``ops.exact.rope`` (the kernel vLLM's rotary embedding runs),
@@ -22,7 +23,7 @@ ordinary gradient (the backward never has to match anything):
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,8 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from megatron_jetrl.ops.exact import VllmKernels, paged_kv, rope, rope_inv_freq, rope_reference
+from megatron_jetrl.ops.exact import (ExactUnavailable, VllmKernels, kv_pages, paged_kv, rope, rope_inv_freq,
+                                      rope_reference, static_fp8_quant)
 from megatron_jetrl.ops.rms_norm import rms_norm
 
 
@@ -154,10 +156,21 @@ def bind_exact_forward(linear: torch.nn.Module, kernels: VllmKernels) -> None:
 class _ExactAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, positions, max_seqlen: int, scale: float, kernels: VllmKernels,
-                backward_attention: Callable):
-        k_pages, v_pages, table, used = paged_kv(k, v, cu_seqlens, positions, max_seqlen)
-        out, _ = kernels.paged_attention(q.contiguous(), k_pages, v_pages, cu_seqlens, used, table, max_seqlen,
-                                         scale)
+                backward_attention: Callable, kv_scales):
+        if kv_scales is None:
+            k_pages, v_pages, table, used = paged_kv(k, v, cu_seqlens, positions, max_seqlen)
+            out, _ = kernels.paged_attention(q.contiguous(), k_pages, v_pages, cu_seqlens, used, table, max_seqlen,
+                                             scale)
+        else:  # an FP8 KV cache: q, k, v quantized as vLLM quantizes them, with the scales it holds
+            if not kernels.descale_query:
+                raise ExactUnavailable("an FP8 KV cache in the exact mode needs FlashAttention that takes FP8 queries "
+                                       "(version 3, Hopper); this one does not")
+            q_scale, k_scale, v_scale = kv_scales[0:1], kv_scales[1:2], kv_scales[2:3]
+            pages = kv_pages(cu_seqlens, positions, max_seqlen)
+            k_pages, v_pages = kernels.fp8_pages(k.contiguous(), v.contiguous(), pages, k_scale, v_scale)
+            out, _ = kernels.paged_attention(static_fp8_quant(q.contiguous(), q_scale), k_pages, v_pages, cu_seqlens,
+                                             pages.seqused_k, pages.block_table, max_seqlen, scale,
+                                             descales=(q_scale, k_scale, v_scale), out_dtype=q.dtype)
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.args = (max_seqlen, scale, backward_attention)
         return out
@@ -170,14 +183,17 @@ class _ExactAttentionFn(torch.autograd.Function):
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             out = attention(qg, kg, vg, cu_seqlens, max_seqlen, scale)
             dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), dout)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def exact_attention(q_THD, k_THD, v_THD, cu_seqlens: torch.Tensor, positions: torch.Tensor, max_seqlen: int,
-                    scale: float, kernels: VllmKernels, backward_attention: Callable) -> torch.Tensor:
+                    scale: float, kernels: VllmKernels, backward_attention: Callable,
+                    kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention within each packed sequence, forward as vLLM computes it (FlashAttention,
     paged K/V, one split); ``backward_attention(q, k, v, cu_seqlens, max_seqlen, scale)`` is
-    differentiated for the gradients. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    differentiated for the gradients (straight through any quantization). q [T, Hq, D], k/v
+    [T, Hkv, D] -> [T, Hq, D]. ``kv_scales`` ([3] fp32 on the device: q, k, v): the FP8 KV cache's
+    scales the engine computes with; q, k and v then go through the cache's quantization."""
     cu32 = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
     return _ExactAttentionFn.apply(q_THD, k_THD, v_THD, cu32, positions, int(max_seqlen), float(scale), kernels,
-                                   backward_attention)
+                                   backward_attention, kv_scales)

@@ -178,13 +178,16 @@ class PackedCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.exact_kernels: Optional[VllmKernels] = None
         """Set by an exact-mode actor: attention forward with vLLM's FlashAttention call."""
+        self.exact_kv_scales: Optional[torch.Tensor] = None
+        """Set by an exact-mode actor whose engine keeps an FP8 KV cache: this layer's (q, k, v)
+        scales ([3] fp32, on the device) the engine computes with now."""
 
     def _attend(self, q, k, v, cu_seqlens, max_seqlen):
         if self.exact_kernels is None:
             return packed_causal_attention(q, k, v, cu_seqlens, max_seqlen, self.softmax_scale)
         positions = _positions(cu_seqlens, q.shape[0], q.device)
         return exact_attention(q, k, v, cu_seqlens, positions, max_seqlen, self.softmax_scale, self.exact_kernels,
-                               packed_causal_attention)
+                               packed_causal_attention, self.exact_kv_scales)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):

@@ -302,8 +302,6 @@ def _check_exact(job: JobConfig) -> None:
          f"the exact rollout needs the trainer's layout in the engine (each rank the same slices of every GEMM): "
          f"set rollout.vllm.tensor_parallel_size={par.tp} (actor.parallel.tp)"),
         ("actor.parallel.pp", par.pp, par.pp == 1, "the exact rollout is verified at PP 1: set actor.parallel.pp=1"),
-        ("rollout.vllm.kv_cache_dtype", vllm.kv_cache_dtype, vllm.kv_cache_dtype == "auto",
-         "an FP8 KV cache has no exact trainer-side attention yet: set rollout.vllm.kv_cache_dtype=auto"),
         ("rollout.vllm.fp8_gemm", vllm.fp8_gemm, vllm.fp8_gemm == "cutlass",
          "the trainer's exact FProp calls vLLM's CUTLASS block-FP8 GEMM: set rollout.vllm.fp8_gemm=cutlass"),
         ("rollout.vllm.activation_quant", vllm.activation_quant, vllm.activation_quant == "trainer",

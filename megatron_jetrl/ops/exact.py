@@ -8,17 +8,21 @@ Two kinds, one list (``EXACT_OPS``):
   the trainer's layers (``actor/exact.py``):
   ``rms_norm`` (``ops/rms_norm.py``: a kernel with a fixed reduction order; the residual add before it is a
   plain BF16 add on both sides), ``silu_mul`` (``silu(gate) * up`` as eager torch ops, megatron's
-  SwiGLU rounding) and ``rope`` (megatron's rotary formula and frequencies, computed from each
+  SwiGLU rounding), ``rope`` (megatron's rotary formula and frequencies, computed from each
   token's position; one kernel, ``csrc/rope_cuda.cu``, beside its eager reference
-  ``rope_reference``). Each is a ``torch.library`` custom op (``jetrl::...``), opaque to
-  torch.compile, so vLLM's compiled graph cannot fuse it into something that rounds differently.
+  ``rope_reference``) and ``static_fp8_quant`` (with an FP8 KV cache: the query's quantization by
+  its per-layer scale, eager torch ops). Each is a ``torch.library`` custom op (``jetrl::...``),
+  opaque to torch.compile, so vLLM's compiled graph cannot fuse it into something that rounds
+  differently.
 - **vLLM's own batch-invariant kernels** (what its layers call with ``VLLM_BATCH_INVARIANT=1``),
   which the trainer's forward calls too (``VllmKernels``): the BF16 GEMM (the LM head, and the
   linears of BF16 layers: vLLM's Triton persistent matmul, fixed tiles), the block-FP8 GEMM
   (CUTLASS, the same call vLLM's ``CutlassFp8BlockScaledMMKernel`` makes), FlashAttention with one
   KV split over a paged KV cache (the call vLLM's FlashAttention backend makes for prefill and
-  decode) and the sampled token's logprob (the Triton kernel of vLLM's V2 model runner, which its
-  sampler runs for ``raw_logprobs``: max and log-sum-exp of the BF16 logits, read once).
+  decode; with an FP8 KV cache, K and V written into FP8 pages by vLLM's own cache kernel with the
+  layer's scales, and the scales passed as FlashAttention's descales) and the sampled token's
+  logprob (the Triton kernel of vLLM's V2 model runner, which its sampler runs for
+  ``raw_logprobs``: max and log-sum-exp of the BF16 logits, read once).
 
 Backward passes are the trainer's own math (``actor/exact.py``): only forwards must agree.
 
@@ -37,10 +41,10 @@ import torch.nn.functional as F
 
 from megatron_jetrl.ops.extension import load_extension
 from megatron_jetrl.ops.rms_norm import rms_norm
-from megatron_jetrl.precision import Fp8Tensor
+from megatron_jetrl.precision import E4M3_MAX, Fp8Tensor
 
-EXACT_OPS = ("embedding", "rms_norm", "residual_add", "qk_norm", "rope", "attention", "silu_mul", "fp8_gemm",
-             "bf16_gemm", "lm_head", "token_logprob")
+EXACT_OPS = ("embedding", "rms_norm", "residual_add", "qk_norm", "rope", "kv_quant", "attention", "silu_mul",
+             "fp8_gemm", "bf16_gemm", "lm_head", "token_logprob")
 """Every op of a dense decoder's forward, in order; each is one kernel on both sides in the exact
 mode (embedding and the residual add are a gather and a BF16 add: exact by themselves)."""
 
@@ -61,6 +65,12 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     value megatron's SwiGLU computes (``F.silu(x_glu) * x_linear``, eager)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of ``x`` with one fp32 scale (an FP8 KV cache's query quantization): ``x / scale``
+    in fp32, clamped to ±448, rounded to nearest even; eager torch ops (an IEEE division), any shape."""
+    return (x.float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def rope_inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
@@ -98,7 +108,7 @@ def custom_ops() -> Any:
     """``torch.ops.jetrl`` with the exact ops registered (once per process): ``rms_norm(x, w, eps)``,
     ``add_rms_norm(x, residual, w, eps) -> (normed, x + residual)``, ``silu_mul(x)`` and
     ``rope(positions, q, k, inv_freq) -> (q, k)`` (q, k [T, H*D] as vLLM passes them: rows of any
-    stride, each row contiguous; new contiguous outputs)."""
+    stride, each row contiguous; new contiguous outputs) and ``static_fp8_quant(x, scale)``."""
 
     @torch.library.custom_op("jetrl::rms_norm", mutates_args=())
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,6 +149,14 @@ def custom_ops() -> Any:
         return torch.empty_like(query, memory_format=torch.contiguous_format), \
             torch.empty_like(key, memory_format=torch.contiguous_format)
 
+    @torch.library.custom_op("jetrl::static_fp8_quant", mutates_args=())
+    def _static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return static_fp8_quant(x, scale)
+
+    @_static_fp8_quant.register_fake
+    def _(x, scale):
+        return torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format)
+
     return torch.ops.jetrl
 
 
@@ -154,6 +172,7 @@ class VllmKernels:
     picked on this GPU.
     ``token_logprobs(logits [M, V], ids [M, k]) -> [M, k] fp32``: vLLM's V2 model runner's logprob
     kernel (one program per row; any row stride).
+    ``reshape_and_cache_flash``: vLLM's kernel that writes K/V into its paged cache (FP8: ``x / scale``).
     """
 
     bf16_gemm: Callable[..., torch.Tensor]
@@ -163,6 +182,7 @@ class VllmKernels:
     descale_query: bool
     """Whether vLLM's backend passes a query descale (its ``supports_quant_query_input``)."""
     token_logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    reshape_and_cache_flash: Callable[..., None]
 
     def fp8_gemm(self, a: Fp8Tensor, w: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """``a · wᵀ`` -> [M, N]: a with 1x128 groups (scales group-major, strides (1, M), as the
@@ -174,18 +194,36 @@ class VllmKernels:
         return self.cutlass_scaled_mm(a.data, w.data.t(), scale_a=scale_a, scale_b=w.scale_inv.t(),
                                       out_dtype=out_dtype)
 
+    def fp8_pages(self, k_THD: torch.Tensor, v_THD: torch.Tensor, pages: "KvPages", k_scale: torch.Tensor,
+                  v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as an FP8 paged cache (k_pages, v_pages [P, page, Hkv, D] float8_e4m3fn), written
+        by vLLM's cache kernel with these scales ([1] fp32), as vLLM writes its FP8 KV cache."""
+        tokens, heads, dim = k_THD.shape
+        k_cache = torch.zeros(pages.num_pages, pages.page, heads, dim, dtype=torch.uint8, device=k_THD.device)
+        v_cache = torch.zeros(pages.num_pages, pages.page, heads, v_THD.shape[-1], dtype=torch.uint8,
+                              device=v_THD.device)
+        self.reshape_and_cache_flash(k_THD, v_THD, k_cache, v_cache, pages.slots, "fp8", k_scale, v_scale)
+        return k_cache.view(torch.float8_e4m3fn), v_cache.view(torch.float8_e4m3fn)
+
     def paged_attention(self, q_THD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
-                        max_seqlen: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        max_seqlen: int, scale: float, descales: tuple[torch.Tensor, ...] | None = None,
+                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention of each packed sequence's queries over its own pages of K/V, with one KV
-        split: (out [T, H, D], lse [H, T] fp32). The call vLLM's FlashAttention backend makes, its
-        unit descales included (a BF16 cache's scales are 1)."""
-        ones = torch.ones(1, dtype=torch.float32, device=q_THD.device).expand(seqused_k.numel(), k_pages.shape[2])
+        split: (out [T, H, D], lse [H, T] fp32). The call vLLM's FlashAttention backend makes: with a
+        BF16 cache its unit descales, with an FP8 one (q, k, v in E4M3) ``descales`` = the layer's
+        (q, k, v) scales ([1] fp32 each) and the output in ``out_dtype``."""
+        groups = (seqused_k.numel(), k_pages.shape[2])
+        if descales is None:
+            ones = torch.ones(1, dtype=torch.float32, device=q_THD.device)
+            descales = (ones, ones, ones)
+        q_descale, k_descale, v_descale = (d.expand(groups) for d in descales)
+        out = None if out_dtype is None else torch.empty(q_THD.shape, dtype=out_dtype, device=q_THD.device)
         out, lse = self.flash_attn_varlen_func(
-            q=q_THD, k=k_pages, v=v_pages, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen,
+            q=q_THD, k=k_pages, v=v_pages, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen,
             seqused_k=seqused_k, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True,
             block_table=block_table, return_softmax_lse=True, fa_version=self.fa_version, num_splits=1,
-            q_descale=ones if self.descale_query else None, k_descale=ones, v_descale=ones)
+            q_descale=q_descale if self.descale_query else None, k_descale=k_descale, v_descale=v_descale)
         return out, lse
 
 
@@ -216,6 +254,7 @@ def vllm_kernels() -> VllmKernels:
     try:
         from vllm.v1.attention.backends.fa_utils import (flash_attn_supports_quant_query_input,
                                                          get_flash_attn_version)
+        from vllm.v1.attention.backends.fa_utils import reshape_and_cache_flash
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
         from vllm.vllm_flash_attn import flash_attn_varlen_func
     except ImportError as e:
@@ -226,27 +265,47 @@ def vllm_kernels() -> VllmKernels:
     return VllmKernels(bf16_gemm=module.linear_batch_invariant, cutlass_scaled_mm=vllm_ops.cutlass_scaled_mm,
                        flash_attn_varlen_func=flash_attn_varlen_func, fa_version=int(version),
                        descale_query=bool(flash_attn_supports_quant_query_input()),
-                       token_logprobs=compute_token_logprobs)
+                       token_logprobs=compute_token_logprobs, reshape_and_cache_flash=reshape_and_cache_flash)
 
 
-def paged_kv(k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor, positions_T: torch.Tensor,
-             max_seqlen: int, page: int = KV_PAGE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A packed batch's K/V as a paged cache, as vLLM holds it: each sequence on its own pages of
-    ``page`` tokens (zero-filled after its last token). Returns (k_pages [P, page, Hkv, D], v_pages,
-    block_table [S, max pages] int32, seqused_k [S] int32). No host synchronization: the page count
-    is bounded by T / page + S."""
-    tokens, heads, dim = k_THD.shape
-    seqs = cu_seqlens.numel() - 1
+@dataclass(frozen=True)
+class KvPages:
+    """Where a packed batch's K/V go in a paged cache laid out as vLLM lays out its own: each
+    sequence on its own pages of ``page`` tokens. ``slots`` [T] int64 (page * page size + offset, as
+    vLLM's slot mapping), ``block_table`` [S, max pages] int32, ``seqused_k`` [S] int32 (lengths)."""
+
+    slots: torch.Tensor
+    block_table: torch.Tensor
+    seqused_k: torch.Tensor
+    num_pages: int
+    page: int
+
+
+def kv_pages(cu_seqlens: torch.Tensor, positions_T: torch.Tensor, max_seqlen: int, page: int = KV_PAGE) -> KvPages:
+    """The paged layout of a packed batch (``KvPages``). No host synchronization: the page count is
+    bounded by T / page + S."""
+    tokens, seqs = positions_T.numel(), cu_seqlens.numel() - 1
+    device = positions_T.device
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     pages_per_seq = (lens + page - 1) // page
     first_page = torch.cumsum(pages_per_seq, 0) - pages_per_seq
     num_pages = tokens // page + seqs + 1
-    index = torch.arange(tokens, device=k_THD.device)
+    index = torch.arange(tokens, device=device)
     seq_of_token = torch.searchsorted(cu_seqlens[1:].to(torch.int64), index, right=True)
-    slot = first_page[seq_of_token] * page + positions_T.to(torch.int64)
-    k_pages = k_THD.new_zeros(num_pages * page, heads, dim).index_copy_(0, slot, k_THD)
-    v_pages = v_THD.new_zeros(num_pages * page, heads, v_THD.shape[-1]).index_copy_(0, slot, v_THD)
+    slots = first_page[seq_of_token] * page + positions_T.to(torch.int64)
     max_pages = (max_seqlen + page - 1) // page
-    table = (first_page[:, None] + torch.arange(max_pages, device=k_THD.device)[None, :]).clamp_(max=num_pages - 1)
-    return (k_pages.view(num_pages, page, heads, dim), v_pages.view(num_pages, page, heads, -1),
-            table.to(torch.int32), lens.to(torch.int32))
+    table = (first_page[:, None] + torch.arange(max_pages, device=device)[None, :]).clamp_(max=num_pages - 1)
+    return KvPages(slots, table.to(torch.int32), lens.to(torch.int32), num_pages, page)
+
+
+def paged_kv(k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor, positions_T: torch.Tensor,
+             max_seqlen: int, page: int = KV_PAGE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed batch's K/V as a paged cache in their own dtype, as vLLM holds a BF16 one (pages
+    zero-filled after each sequence's last token). Returns (k_pages [P, page, Hkv, D], v_pages,
+    block_table [S, max pages] int32, seqused_k [S] int32)."""
+    pages = kv_pages(cu_seqlens, positions_T, max_seqlen, page)
+    tokens, heads, dim = k_THD.shape
+    k_pages = k_THD.new_zeros(pages.num_pages * page, heads, dim).index_copy_(0, pages.slots, k_THD)
+    v_pages = v_THD.new_zeros(pages.num_pages * page, heads, v_THD.shape[-1]).index_copy_(0, pages.slots, v_THD)
+    return (k_pages.view(pages.num_pages, page, heads, dim), v_pages.view(pages.num_pages, page, heads, -1),
+            pages.block_table, pages.seqused_k)

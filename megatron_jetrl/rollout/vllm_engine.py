@@ -266,8 +266,8 @@ class VllmEngine:
         """vLLM reads the architecture from a directory: the config alone, written here."""
         try:
             (Path(self._model_dir) / "config.json").write_text(json.dumps(config))
-            if recipe.rollout_fp8 and options.activation_quant == "trainer":
-                vllm_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon)
+            if (recipe.rollout_fp8 and options.activation_quant == "trainer") or recipe.exact:
+                vllm_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon, exact=recipe.exact)
             if recipe.exact:
                 vllm_exact.install()
             self._llm = vllm.LLM(**llm_kwargs(self._model_dir, config, recipe, options))

@@ -16,9 +16,13 @@ How:
 - ``llm_kwargs``: FlashAttention as the attention backend, KV-cache pages of ``ops.exact.KV_PAGE``
   tokens (the trainer's paged view uses the same), no prefix caching across weight updates
   (kept), cascade attention off (vLLM does that itself in this mode).
+- With an FP8 KV cache, the query's static quantization runs ``jetrl::static_fp8_quant``
+  (``vllm_quant.install(exact=True)``); vLLM's cache kernel writes K/V as usual, and the trainer's
+  attention calls that same kernel.
 - ``check_engine``: after vLLM built the model, every norm, activation and rotary module must be
   one of the replacements and every attention layer must run FlashAttention of the trainer's
-  version; anything else is an error at engine start, never a silent fallback.
+  version (with an FP8 KV cache: quantizing its query with the exact op); anything else is an
+  error at engine start, never a silent fallback.
 """
 
 from __future__ import annotations
@@ -150,12 +154,18 @@ def check_engine(worker: Any) -> dict[str, int]:
         raise RuntimeError("precision.exact: vLLM runs its V1 model runner, whose logprob kernel is not the one the "
                            "trainer calls; export VLLM_USE_V2_MODEL_RUNNER=1 (jetrl train sets it)")
     counts, wrong = replaced_modules(worker.get_model())
-    version = vllm_kernels().fa_version
-    for name, impl in counts.pop("attention_impls"):
-        got = getattr(impl, "vllm_flash_attn_version", None)
-        if type(impl).__name__ != "FlashAttentionImpl" or got != version:
+    kernels = vllm_kernels()
+    for name, attention in counts.pop("attention_modules"):
+        impl, got = attention.impl, getattr(attention.impl, "vllm_flash_attn_version", None)
+        if type(impl).__name__ != "FlashAttentionImpl" or got != kernels.fa_version:
             wrong.append(f"{name}: attention {type(impl).__name__} (FlashAttention version {got}; the trainer's is "
-                         f"{version})")
+                         f"{kernels.fa_version})")
+        if str(attention.kv_cache_dtype).startswith("fp8"):  # q quantized by the exact op, passed with its scale
+            counts["fp8_kv_attention"] += 1
+            if not (getattr(attention.query_quant, "jetrl_exact_static", False) and impl.supports_quant_query_input
+                    and kernels.descale_query):
+                wrong.append(f"{name}: FP8 KV cache without the exact query quantization "
+                             f"({type(attention.query_quant).__name__})")
     if wrong:
         raise RuntimeError("precision.exact: vLLM built modules without their exact kernels (the rollout would "
                            "not be exact): " + "; ".join(wrong[:8]))
@@ -167,13 +177,14 @@ def check_engine(worker: Any) -> dict[str, int]:
 
 def replaced_modules(model: Any) -> tuple[dict, list[str]]:
     """Count vLLM's norm, activation, rotary and attention modules, and name every norm, activation
-    or rotary module that is not one of the exact replacements. ``counts["attention_impls"]`` lists
-    (name, attention backend impl) for ``check_engine``."""
+    or rotary module that is not one of the exact replacements. ``counts["attention_modules"]`` lists
+    (name, attention module) for ``check_engine``."""
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
-    counts: dict = {"norms": 0, "activations": 0, "rotary": 0, "attention": 0, "attention_impls": []}
+    counts: dict = {"norms": 0, "activations": 0, "rotary": 0, "attention": 0, "fp8_kv_attention": 0,
+                    "attention_modules": []}
     wrong = []
     for name, module in model.named_modules():
         kind = None
@@ -185,7 +196,7 @@ def replaced_modules(model: Any) -> tuple[dict, list[str]]:
             kind = "rotary"
         elif isinstance(module, Attention):
             counts["attention"] += 1
-            counts["attention_impls"].append((name, module.impl))
+            counts["attention_modules"].append((name, module))
         if kind is not None:
             counts[kind] += 1
             if not getattr(type(module), "jetrl_exact", False):

@@ -12,7 +12,9 @@ How:
 - vLLM's out-of-tree custom-op registry (``CustomOp.register_oot``, vLLM's way to replace one of
   its ops) makes every ``QuantFP8`` built afterwards in this process a ``TrainerQuantFP8``. Dynamic
   1x128 group quantization goes to the trainer's kernel; every other kind (static, per-token,
-  per-tensor, power-of-two scales for DeepGEMM) stays vLLM's.
+  per-tensor, power-of-two scales for DeepGEMM) stays vLLM's, except in the exact mode, where the
+  static per-tensor one (an FP8 KV cache's query) runs ``jetrl::static_fp8_quant``
+  (``ops/exact.py``), the op the trainer's exact attention quantizes its queries with.
 - The kernel is wrapped as a torch custom op (``jetrl::quantize_1x128_rows``), one opaque call
   for torch.compile and CUDA graphs.
 - Under torch.compile vLLM would fuse RMSNorm and SiLU-mul with the quantization into its own
@@ -81,20 +83,25 @@ def _registry() -> dict:
     return sys.modules[CustomOp.__module__].op_registry_oot
 
 
-def install(pow2_scales: bool, eps: float) -> None:
+def install(pow2_scales: bool, eps: float, exact: bool = False) -> None:
     """Make every vLLM ``QuantFP8`` built from now on in this process quantize dynamic 1x128 groups
-    with the trainer's kernel and these scale options (the recipe's ``precision.fp8``). Call
-    before ``vllm.LLM`` builds the model. Installing the same options again is a no-op; other
-    options while installed raise (one engine per process)."""
+    with the trainer's kernel and these scale options (the recipe's ``precision.fp8``); with
+    ``exact`` (``precision.exact``), static per-tensor quantization (an FP8 KV cache's query) with
+    ``jetrl::static_fp8_quant``, which the trainer's exact attention calls too. Call before
+    ``vllm.LLM`` builds the model. Installing the same options again is a no-op; other options
+    while installed raise (one engine per process)."""
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
+    from megatron_jetrl.ops.exact import custom_ops
     from megatron_jetrl.ops.extension import load_extension
 
     load_extension()  # raises, naming the build command, before vLLM builds anything
     options = (bool(pow2_scales), float(eps))
+    exact_ops = custom_ops() if exact else None
     current = _registry().get(QuantFP8.__name__)
     if current is not None:
-        if getattr(current, "jetrl_options", None) == options:
+        if getattr(current, "jetrl_options", None) == (*options, exact):
             return
         raise RuntimeError(f"vLLM's QuantFP8 is already replaced by {current.__qualname__}; one replacement "
                            "per process (one vllm engine per process)")
@@ -103,23 +110,32 @@ def install(pow2_scales: bool, eps: float) -> None:
     class TrainerQuantFP8(QuantFP8):
         """``QuantFP8`` whose dynamic 1x128 group quantization is the trainer's (module docstring)."""
 
-        jetrl_options = options
+        jetrl_options = (*options, exact)
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.trainer_groups = (not self.static and tuple(self.group_shape) == (1, GROUP)
                                    and not self.use_ue8m0)
+            self.jetrl_exact_static = exact and self.static
+            """Static quantization through the exact op (an FP8 KV cache's query, ``precision.exact``)."""
+            if self.jetrl_exact_static and tuple(self.group_shape) != tuple(GroupShape.PER_TENSOR):
+                raise RuntimeError(f"precision.exact: static FP8 quantization with groups {tuple(self.group_shape)} "
+                                   "(per-head KV-cache scales?) has no exact kernel; the exact op takes one scale")
             if self.trainer_groups and self.num_token_padding is not None:
                 raise RuntimeError(f"vLLM asked for 1x128 activation quantization with token padding "
                                    f"{self.num_token_padding}; rollout.vllm.activation_quant=trainer does not pad "
                                    "(use activation_quant=vllm)")
 
         def forward_native(self, x, scale=None, scale_ub=None, use_triton=False):
+            if self.jetrl_exact_static:
+                return exact_ops.static_fp8_quant(x, scale), scale
             if not self.trainer_groups:
                 return super().forward_native(x, scale, scale_ub, use_triton)
             return self._trainer(x)
 
         def forward_cuda(self, x, scale=None, scale_ub=None, use_triton=False):
+            if self.jetrl_exact_static:
+                return exact_ops.static_fp8_quant(x, scale), scale
             if not self.trainer_groups:
                 return super().forward_cuda(x, scale, scale_ub, use_triton)
             return self._trainer(x)

@@ -90,3 +90,36 @@ def test_install_is_idempotent_and_uninstall_restores_vllms_classes():
     assert all(getattr(op_registry_oot[n], "jetrl_exact", False) for n in ("RMSNorm", "SiluAndMul", "RotaryEmbedding"))
     vllm_exact.uninstall()
     assert not any(n in op_registry_oot for n in ("RMSNorm", "SiluAndMul", "RotaryEmbedding"))
+
+
+def test_the_exact_query_quantization_of_an_fp8_kv_cache_is_the_trainers_op(tmp_path):
+    """With an FP8 KV cache vLLM quantizes the query by its per-layer scale (a static per-tensor
+    ``QuantFP8``); in the exact mode that is ``jetrl::static_fp8_quant``, one opaque call under
+    torch.compile, the op the trainer's exact attention calls. Per-head scales have no exact op."""
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    from megatron_jetrl.ops.exact import static_fp8_quant
+    from megatron_jetrl.rollout import vllm_quant
+
+    config = cpu_vllm_config(write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt"),
+                             PrecisionRecipe(exact=True))
+    vllm_quant.install(False, 0.0, exact=True)
+    try:
+        with set_current_vllm_config(config):
+            quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
+            with pytest.raises(RuntimeError, match="no exact kernel"):
+                QuantFP8(static=True, group_shape=GroupShape(-1, 256))
+        assert type(quant).__name__ == "TrainerQuantFP8" and quant.jetrl_exact_static
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(7, 512, generator=g) * 300).to(torch.bfloat16)  # some beyond ±448 after scaling
+        scale = torch.tensor([0.37])
+        want = static_fp8_quant(x, scale)
+        assert want.dtype == torch.float8_e4m3fn and float(want.float().abs().max()) == 448.0
+        for forward in (quant.forward_native, quant.forward_cuda):
+            q, s = forward(x, scale)
+            assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)) and s is scale
+        compiled = torch.compile(lambda a, b: quant.forward_native(a, b)[0], fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x, scale).view(torch.uint8), want.view(torch.uint8))
+    finally:
+        vllm_quant.uninstall()

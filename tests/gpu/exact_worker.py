@@ -11,6 +11,8 @@ tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
   sync, and the same again.
 - exact_fp8_8b6 / exact_bf16_8b6: 6 layers at Qwen3-8B widths (vocabulary 151,936), random
   weights from megatron's initialisation (not vLLM's dummy weights, whose logits are uniform).
+- exact_fp8_kv / exact_fp8_kv_8b6: with an FP8 KV cache; the KV-cache scales the engine holds are
+  the trainer's exact attention's too: first measured on a batch, then by each round's update.
 - exact_fp8_tp2 / exact_bf16_tp2 / exact_fp8_8b6_tp2: the same at trainer TP 2 (sequence parallel)
   = rollout TP 2, two GPUs, one engine over both ranks; each rank's logprobs equal vLLM's.
 - exact_fallback: an engine whose norm / activation / rotary replacements were not installed (as
@@ -20,6 +22,7 @@ tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -89,10 +92,14 @@ class Scenarios(VllmScenarios):
             actor.update(make_batch(vocab, seed=100 + step), cross_entropy_loss)
         return actor
 
-    def _round(self, actor, engine, sync, prompts, n: int, new_tokens: int, seed: int) -> dict:
-        """Sync, sample, compare: the recomputation and the update's own forward (which then steps)."""
+    def _round(self, actor, engine, sync, prompts, n: int, new_tokens: int, seed: int, kv_scales=None) -> dict:
+        """Sync (with ``kv_scales``: the FP8 KV cache's, into the engine and the actor), sample,
+        compare: the recomputation and the update's own forward (which then steps, measuring the
+        next scales as the trainer does)."""
         engine.sleep()
-        sync.sync(actor.weight_shards(), engine)
+        sync.sync(actor.weight_shards(), engine, kv_scales=kv_scales)
+        if kv_scales is not None:
+            actor.use_rollout_kv_scales(kv_scales)
         engine.wake()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -103,19 +110,24 @@ class Scenarios(VllmScenarios):
         batch, rollout_lp = rollout_batch(prompts, samples)
         mask = batch.fields["loss_mask"]
         recomputed = equality(actor.compute_logprobs(batch).logprobs, rollout_lp, mask)
-        _, update_lp = actor.update(batch, policy_loss, with_logprobs=True)
+        with actor.kv_scale_meter() if kv_scales is not None else contextlib.nullcontext() as meter:
+            _, update_lp = actor.update(batch, policy_loss, with_logprobs=True)
         torch.cuda.empty_cache()  # the engine takes its memory back at the next wake (colocation does the same)
-        return {"sequences": len(samples), "generate_s": generate_s, "recompute": recomputed,
-                "update_forward": equality(update_lp, rollout_lp, mask)}
+        out = {"sequences": len(samples), "generate_s": generate_s, "recompute": recomputed,
+               "update_forward": equality(update_lp, rollout_lp, mask)}
+        if kv_scales is not None:
+            out["kv_scales_used"], out["next_kv_scales"] = kv_scales[0].tolist(), meter.scales
+        return out
 
     def _exact(self, name: str, mode: str, *, hf_config: dict | None = None, prompt_len: int = 48,
-               new_tokens: int = 96, mb_tokens: int = 256, memory: float = 0.3, tp: int = 1):
+               new_tokens: int = 96, mb_tokens: int = 256, memory: float = 0.3, tp: int = 1, kv_fp8: bool = False):
         if self.world != tp:
             raise RuntimeError(f"{name} runs at trainer TP = rollout TP = {tp}, a GPU each; launched with {self.world}")
         actor = self._exact_actor(mode, hf_config, mb_tokens, tp)
         recipe = actor.settings.precision
         options = VllmOptions(gpu_memory_utilization=memory, max_model_len=prompt_len + new_tokens, max_num_seqs=256,
-                              cuda_graph_max_batch=256, tensor_parallel_size=tp)
+                              cuda_graph_max_batch=256, tensor_parallel_size=tp,
+                              kv_cache_dtype="fp8" if kv_fp8 else "auto")
         start = time.perf_counter()
         engine = VllmEngine(actor.bridge.hf_config, recipe, options)
         r = {"engine_start_s": time.perf_counter() - start, "exact_modules": engine.exact_modules}
@@ -125,10 +137,15 @@ class Scenarios(VllmScenarios):
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
                    for n in torch.randint(8, prompt_len + 1, (64,), generator=g)]
-        r["batch1"] = self._round(actor, engine, sync, prompts[:1], 1, new_tokens, seed=11)
-        r["batch256"] = self._round(actor, engine, sync, prompts, 4, new_tokens, seed=12)
+        # with an FP8 KV cache: first scales measured on a batch, then each round's update measures the next
+        scales = actor.compute_logprobs(make_batch(vocab, seed=5), kv_scales=True).kv_scales if kv_fp8 else None
+        r["batch1"] = self._round(actor, engine, sync, prompts[:1], 1, new_tokens, seed=11, kv_scales=scales)
+        scales = r["batch1"].pop("next_kv_scales", None)
+        r["batch256"] = self._round(actor, engine, sync, prompts, 4, new_tokens, seed=12, kv_scales=scales)
+        scales = r["batch256"].pop("next_kv_scales", None)
         actor.update(make_batch(vocab, seed=7), cross_entropy_loss)  # the rounds stepped once each already
-        r["after_steps"] = self._round(actor, engine, sync, prompts, 4, new_tokens, seed=13)
+        r["after_steps"] = self._round(actor, engine, sync, prompts, 4, new_tokens, seed=13, kv_scales=scales)
+        r["after_steps"].pop("next_kv_scales", None)
         r["steps"] = actor.steps
         if tp > 1:  # one engine over both ranks; each trainer rank's logprobs must equal it
             cases = {case: r[case] | {"generate_s": None} for case in ("batch1", "batch256", "after_steps")}
@@ -155,6 +172,16 @@ class Scenarios(VllmScenarios):
 
         self._exact("exact_bf16_8b6", "bf16", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
                     memory=0.25)
+
+    def exact_fp8_kv(self):
+        """An FP8 KV cache: the engine and the trainer quantize q, k, v with the same scales."""
+        self._exact("exact_fp8_kv", "fp8", kv_fp8=True)
+
+    def exact_fp8_kv_8b6(self):
+        from benchmarks.model_shapes import qwen3_8b_shaped
+
+        self._exact("exact_fp8_kv_8b6", "fp8", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
+                    memory=0.25, kv_fp8=True)
 
     def exact_fp8_tp2(self):
         self._exact("exact_fp8_tp2", "fp8", tp=2)

@@ -3,8 +3,8 @@ one torchrun launch per engine): the logprob vLLM reports for every sampled toke
 trainer's, bit for bit (``torch.equal``, max |Δlogp| = 0, k3 = 0), in BF16 and unified FP8, for one
 prompt alone and 256 sequences at once, with torch.compile and CUDA graphs as a job runs the
 engine, after a sync and after optimizer steps; the update's own forward gives the same values;
-at the tiny model's widths and at Qwen3-8B's (6 layers), at TP 1 and at equal TP 2; and neither
-side starts with a module left on a non-exact kernel.
+at the tiny model's widths and at Qwen3-8B's (6 layers), at TP 1 and at equal TP 2, with a BF16
+and an FP8 KV cache; and neither side starts with a module left on a non-exact kernel.
 
 Skipped (with the reason) where vLLM is not installed; with ``JETRL_REQUIRE_VLLM=1`` (set by
 benchmarks/gpu_host/vllm.sh) a missing vLLM fails instead.
@@ -62,6 +62,16 @@ def test_rollout_logprobs_equal_the_trainers_bit_for_bit(tmp_path_factory, mode)
 @pytest.mark.parametrize("mode", ["fp8", "bf16"])
 def test_exact_at_qwen3_8b_widths(tmp_path_factory, mode):
     _exact(_run(tmp_path_factory, f"exact_{mode}_8b6"))
+
+
+@pytest.mark.parametrize("scenario", ["exact_fp8_kv", "exact_fp8_kv_8b6"])
+def test_exact_with_an_fp8_kv_cache(tmp_path_factory, scenario):
+    """q, k, v through the FP8 KV cache's quantization with the scales the engine holds, both sides."""
+    r = _run(tmp_path_factory, scenario)
+    _exact(r)
+    assert r["exact_modules"]["fp8_kv_attention"] == r["exact_modules"]["attention"] > 0, r
+    used = [r[case]["kv_scales_used"] for case in ("batch1", "batch256", "after_steps")]
+    assert all(0 < v < 1e4 for scales in used for v in scales) and used[0] != used[1], used  # measured, then moved
 
 
 @pytest.mark.parametrize("scenario", ["exact_fp8_tp2", "exact_bf16_tp2", "exact_fp8_8b6_tp2"])

@@ -6,6 +6,7 @@ logprob kernel and their gradient from the compiled path, and every layout that 
 exact is refused at config time naming the key. (The equality with vLLM itself is a GPU test:
 tests/gpu/test_exact.py.)"""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +25,8 @@ from megatron_jetrl.config import ConfigError  # noqa: E402
 from megatron_jetrl.job import load_job  # noqa: E402
 from megatron_jetrl.job.config import check_exact_model, resolve  # noqa: E402
 from megatron_jetrl.models import bridge_for  # noqa: E402
-from megatron_jetrl.ops.exact import custom_ops, paged_kv, rope, rope_inv_freq, rope_reference, silu_mul  # noqa: E402
+from megatron_jetrl.ops.exact import (custom_ops, paged_kv, rope, rope_inv_freq, rope_reference, silu_mul,  # noqa: E402
+                                      static_fp8_quant)
 from megatron_jetrl.ops.extension import load_extension  # noqa: E402
 from megatron_jetrl.ops.rms_norm import rms_norm_reference  # noqa: E402
 from megatron_jetrl.precision import PrecisionMode, PrecisionRecipe  # noqa: E402
@@ -226,7 +228,6 @@ def test_an_exact_job_loads_and_round_trips():
     ("actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size"),
     ("rollout.vllm.tensor_parallel_size=2", "rollout.vllm.tensor_parallel_size"),
     ("actor.parallel.pp=2", "actor.parallel.pp"),
-    ("rollout.vllm.kv_cache_dtype=fp8", "rollout.vllm.kv_cache_dtype"),
     ("rollout.vllm.fp8_gemm=deep_gemm", "rollout.vllm.fp8_gemm"),
     ("rollout.vllm.activation_quant=vllm", "rollout.vllm.activation_quant"),
     ("algo.correction.mode=token_tis", "algo.correction.mode"),
@@ -237,10 +238,28 @@ def test_layouts_that_cannot_be_exact_are_refused_naming_the_key(override, key):
     assert e.value.key == key and "precision.exact" in str(e.value)
 
 
-def test_equal_tp_2_is_an_exact_layout():
+def test_equal_tp_2_and_an_fp8_kv_cache_are_exact_layouts():
     job = load_job("examples/configs/tiny_countdown.yaml",
                    [*EXACT, "actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size=2"])
     assert job.actor.parallel.tp == job.rollout.vllm.tensor_parallel_size == 2
+    fp8_kv = load_job("examples/configs/tiny_countdown.yaml", [*EXACT, "rollout.vllm.kv_cache_dtype=fp8"])
+    assert fp8_kv.rollout.fp8_kv_cache
+
+
+def test_the_exact_query_quantization_divides_clamps_and_rounds_to_nearest_even():
+    """``static_fp8_quant``: x / scale in fp32 (an IEEE division), clamped to ±448, then E4M3's
+    round-to-nearest-even: ties between two codes go to the even one."""
+    scale = torch.tensor([0.5])
+    # 1.0625 lies halfway between the E4M3 codes 1.0 and 1.125: to 1.0 (even); 1.1875 -> 1.25 (even)
+    x = torch.tensor([0.53125, 0.59375, -0.53125, 1000.0, -1000.0, 0.0, 3e-3], dtype=torch.bfloat16)
+    got = static_fp8_quant(x, scale).float()
+    assert got.tolist()[:6] == [1.0, 1.25, -1.0, 448.0, -448.0, 0.0]
+    g = torch.Generator().manual_seed(1)
+    y = (torch.randn(64, 256, generator=g) * 50).to(torch.bfloat16)
+    s = torch.tensor([0.173])
+    want = torch.clamp(y.float() / s, -448.0, 448.0).to(torch.float8_e4m3fn)
+    assert torch.equal(static_fp8_quant(y, s).view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(custom_ops().static_fp8_quant(y, s).view(torch.uint8), want.view(torch.uint8))
 
 
 def test_models_the_exact_forward_cannot_compute_are_refused():
@@ -268,9 +287,10 @@ def test_an_exact_model_with_a_module_left_behind_is_refused():
         check_exact(model)
 
 
-def _trainer_double(exact: bool, update_logprobs: torch.Tensor):
+def _trainer_double(exact: bool, update_logprobs: torch.Tensor, overrides=()):
     class Actor:
         calls: list = []
+        measured = torch.full((2, 3), 0.25)
 
         def update(self, batch, loss_fn, *, with_logprobs=False):
             self.calls.append(("update", with_logprobs))
@@ -280,30 +300,76 @@ def _trainer_double(exact: bool, update_logprobs: torch.Tensor):
             self.calls.append(("compute_logprobs",))
             raise AssertionError("the exact trainer skips the recompute pass")
 
-    job = load_job("examples/configs/tiny_countdown.yaml", EXACT if exact else [])
-    return SimpleNamespace(job=job, actor=Actor(), loss_fn=None)
+        @contextlib.contextmanager
+        def kv_scale_meter(self):
+            self.calls.append(("meter",))
+            meter = SimpleNamespace(scales=None)
+            yield meter
+            meter.scales = self.measured
+
+        def use_rollout_kv_scales(self, scales):
+            self.calls.append(("use_rollout_kv_scales", scales.tolist()))
+
+        def weight_shards(self):
+            return []
+
+    job = load_job("examples/configs/tiny_countdown.yaml", [*(EXACT if exact else []), *overrides])
+    synced = []
+    return SimpleNamespace(job=job, actor=Actor(), loss_fn=None, kv_scales=torch.ones(2, 3), engine=None,
+                           sync=SimpleNamespace(sync=lambda shards, engine, kv_scales: synced.append(kv_scales)),
+                           colocation=SimpleNamespace(synced=lambda: None), synced=synced)
+
+
+def _two_sequences(rollout):
+    from megatron_jetrl.actor import PackedBatch
+
+    return PackedBatch.from_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])],
+                                      loss_mask=[torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 1.0])],
+                                      rollout_logprobs=[rollout[:3], rollout[3:]])
 
 
 def test_the_exact_trainer_skips_the_recompute_and_measures_the_update_forward():
-    from megatron_jetrl.actor import PackedBatch
     from megatron_jetrl.trainer import Trainer
 
     rollout = torch.tensor([0.0, -1.0, -2.0, 0.0, -0.25, -3.0])
-    batch = PackedBatch.from_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])],
-                                       loss_mask=[torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 1.0])],
-                                       rollout_logprobs=[rollout[:3], rollout[3:]])
+    batch = _two_sequences(rollout)
     trainer = _trainer_double(True, rollout)
     prepared, metrics, kv = Trainer.prepare_update(trainer, batch)
     assert torch.equal(prepared.fields["old_logprobs"], prepared.fields["rollout_logprobs"]) and kv is None
     assert metrics == {} and trainer.actor.calls == []
-    m = Trainer.update(trainer, prepared)
-    assert trainer.actor.calls == [("update", True)] and m["actor/loss"] == 0.5
+    m, measured = Trainer.update(trainer, prepared)
+    assert trainer.actor.calls == [("update", True)] and m["actor/loss"] == 0.5 and measured is None
     assert m["rollout_corr/k3_kl"] == 0 and m["rollout_corr/unequal_tokens"] == 0
     # one token one ulp off: the metrics say so
     off = rollout.clone()
     off[4] = torch.nextafter(off[4], torch.tensor(0.0))
-    m = Trainer.update(_trainer_double(True, off), prepared)
+    m, _ = Trainer.update(_trainer_double(True, off), prepared)
     assert m["rollout_corr/unequal_tokens"] == 1 and m["rollout_corr/max_abs_dlogp"] > 0
+
+
+def test_with_an_fp8_kv_cache_the_exact_update_measures_the_scales_both_sides_then_use():
+    """No recompute pass measures the KV-cache scales in the exact mode: the update's forward does
+    (it runs with the scales the rollout used), the sync ships them, and the actor's exact attention
+    takes them for the next step. At start both sides get ``trainer.kv_scales`` (ones, or the
+    checkpoint's), never vLLM's own defaults."""
+    from megatron_jetrl.trainer import Trainer
+
+    rollout = torch.tensor([0.0, -1.0, -2.0, 0.0, -0.25, -3.0])
+    trainer = _trainer_double(True, rollout, ["rollout.vllm.kv_cache_dtype=fp8"])
+    Trainer.sync_weights(trainer)  # the first sync
+    assert [s.tolist() for s in trainer.synced] == [[[1.0] * 3] * 2]
+    assert trainer.actor.calls == [("use_rollout_kv_scales", [[1.0] * 3] * 2)]
+    trainer.actor.calls.clear()
+    m, measured = Trainer.update(trainer, _two_sequences(rollout))
+    assert trainer.actor.calls == [("meter",), ("update", True)] and measured is trainer.actor.measured
+    Trainer.sync_weights(trainer, measured)
+    assert trainer.synced[-1] is measured and trainer.kv_scales is measured
+    assert trainer.actor.calls[-1] == ("use_rollout_kv_scales", [[0.25] * 3] * 2)
+    # without an FP8 KV cache nothing is measured, shipped or handed to the actor
+    plain = _trainer_double(True, rollout)
+    assert Trainer.update(plain, _two_sequences(rollout))[1] is None
+    Trainer.sync_weights(plain)
+    assert plain.synced == [None] and plain.actor.calls == [("update", True)]
 
 
 def test_trainer_rope_gradient_is_the_references():
