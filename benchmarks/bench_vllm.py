@@ -59,6 +59,7 @@ MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_qu
     "fp8kv-vq": ("fp8", "fp8", "vllm", False),
     "fp8-exact": ("fp8", "auto", "trainer", True),  # the exact rollout: batch-invariant kernels, the trainer's ops
     "bf16-exact": ("bf16", "auto", "trainer", True),
+    "fp8kv-exact": ("fp8", "fp8", "trainer", True),  # exact with an FP8 KV cache
 }
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, DeepGEMM, FlashAttention 3, vLLM's ops
     # vLLM's KV-cache write is "reshape_and_cache_flash": first; FlashAttention 3 kernels are
@@ -330,6 +331,7 @@ STEP_MODES = {  # name -> jetrl train overrides
     "fp8-vq": ["precision.mode=fp8", "rollout.vllm.activation_quant=vllm"],  # vLLM's own quantization
     "fp8kv": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8"],  # + the FP8 KV cache, trainer's scales
     "fp8-exact": ["precision.mode=fp8", "precision.exact=true"],  # exact rollout: no recompute pass
+    "fp8kv-exact": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8", "precision.exact=true"],
 }
 
 
