@@ -17,7 +17,8 @@
 # --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
 # ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM; rl-exact: its
 # exact-mode runs only), exact (the exact rollout's one-GPU tests; exact-tiny / exact-8b: at the tiny
-# model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs), or a test file.
+# model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs; exact-kv: with an FP8 KV cache),
+# or a test file.
 # --ablation "ARGS": benchmarks/exact_ablation.py all ARGS (e.g. "--models tiny,8b6 --runs exact:fp8"),
 # results in /tmp/exact_ablation, its table last.
 # --actor "ARGS": the actor-step benchmark (ARGS are bench_actor_step.py's), torchrun on one
@@ -96,6 +97,7 @@ for t in $tests; do
     exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths and not equal_tp_2" ;;
     exact-8b) f=tests/gpu/test_exact.py; k="8b_widths" ;;
     exact-two) f=tests/gpu/test_exact.py; k="equal_tp_2" ;;
+    exact-kv) f=tests/gpu/test_exact.py; k="fp8_kv_cache" ;;
     *) f=$t; k="" ;;
   esac
   t0=$(date +%s) name=$(basename "$t" .py); [ "$t" = "${t#engine-}" ] || name=$t

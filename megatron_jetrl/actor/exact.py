@@ -10,8 +10,9 @@ ordinary gradient (the backward never has to match anything):
   linear of a BF16 layer); backward ``dx = dy·W``, ``dW = dyᵀ·x`` with torch's matmul.
 - ``exact_attention``: FlashAttention over a paged view of the packed K/V with one split, as vLLM
   attends (with an FP8 KV cache: q, k, v quantized by the cache's scales, K/V written by vLLM's
-  cache kernel); backward by recomputing torch's varlen attention (the trainer's usual kernel) on
-  the same BF16 q, k, v.
+  cache kernel, queries in the chunks vLLM schedules them in, ``ops.exact.FP8_KV_QUERY_ROWS``);
+  backward by recomputing torch's varlen attention (the trainer's usual kernel) on the same BF16
+  q, k, v.
 - FP8 linears keep ``fp8_block_linear`` with its FProp GEMM swapped for vLLM's CUTLASS call
   (``VllmKernels.fp8_gemm``); DGrad and WGrad stay the trainer's.
 - ``exact_rope``: forward with ``ops.exact.rope`` (the kernel vLLM's rotary embedding runs),
@@ -32,8 +33,8 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from megatron_jetrl.ops.exact import (ExactUnavailable, VllmKernels, kv_pages, paged_kv, rope, rope_inv_freq,
-                                      rope_reference, static_fp8_quant)
+from megatron_jetrl.ops.exact import (ExactUnavailable, VllmKernels, fp8_kv_query_chunk, kv_pages, paged_kv,
+                                      query_chunks, rope, rope_inv_freq, rope_reference, static_fp8_quant)
 from megatron_jetrl.ops.rms_norm import rms_norm
 
 
@@ -168,9 +169,11 @@ class _ExactAttentionFn(torch.autograd.Function):
             q_scale, k_scale, v_scale = kv_scales[0:1], kv_scales[1:2], kv_scales[2:3]
             pages = kv_pages(cu_seqlens, positions, max_seqlen)
             k_pages, v_pages = kernels.fp8_pages(k.contiguous(), v.contiguous(), pages, k_scale, v_scale)
-            out, _ = kernels.paged_attention(static_fp8_quant(q.contiguous(), q_scale), k_pages, v_pages, cu_seqlens,
-                                             pages.seqused_k, pages.block_table, max_seqlen, scale,
-                                             descales=(q_scale, k_scale, v_scale), out_dtype=q.dtype)
+            chunk = fp8_kv_query_chunk(q.shape[1], k.shape[1])  # the kernel vLLM's steps run (ops.exact)
+            cu_q, used, table = query_chunks(cu_seqlens, pages, q.shape[0], chunk)
+            out, _ = kernels.paged_attention(static_fp8_quant(q.contiguous(), q_scale), k_pages, v_pages, cu_q, used,
+                                             table, max_seqlen, scale, descales=(q_scale, k_scale, v_scale),
+                                             out_dtype=q.dtype, max_seqlen_q=min(chunk, max_seqlen))
         ctx.save_for_backward(q, k, v, cu_seqlens)
         ctx.args = (max_seqlen, scale, backward_attention)
         return out

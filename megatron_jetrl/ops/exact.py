@@ -58,6 +58,25 @@ class ExactUnavailable(RuntimeError):
     back to a kernel that rounds differently."""
 
 
+FP8_KV_QUERY_ROWS = 64
+"""FlashAttention 3 computes FP8 attention over a paged cache with 64-row query tiles and 96-key
+blocks when a call's longest query times its query heads per KV head is at most this (one MMA
+warpgroup), else with 128 x 160 tiles: the keys are then summed in other blocks and the FP8
+probabilities round differently, so a decode step and a prefill would not agree. (Over a BF16
+cache both kernels take 128-key blocks.) With an FP8 KV cache the exact mode keeps every call on the
+first kernel: vLLM schedules at most ``fp8_kv_query_chunk`` new tokens of a request per step
+(``long_prefill_token_threshold``) and the trainer attends in chunks of that many queries."""
+
+
+def fp8_kv_query_chunk(q_heads: int, kv_heads: int) -> int:
+    """Query tokens per attention segment with an FP8 KV cache in the exact mode (``FP8_KV_QUERY_ROWS``)."""
+    group = q_heads // kv_heads
+    if group < 1 or q_heads % kv_heads or group > FP8_KV_QUERY_ROWS:
+        raise ExactUnavailable(f"{q_heads} query heads over {kv_heads} KV heads: FP8 attention has no exact "
+                               f"schedule for more than {FP8_KV_QUERY_ROWS} query heads per KV head")
+    return FP8_KV_QUERY_ROWS // group
+
+
 # ---------------------------------------------------------------- defined here (both homes)
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -208,11 +227,14 @@ class VllmKernels:
     def paged_attention(self, q_THD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                         max_seqlen: int, scale: float, descales: tuple[torch.Tensor, ...] | None = None,
-                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal attention of each packed sequence's queries over its own pages of K/V, with one KV
-        split: (out [T, H, D], lse [H, T] fp32). The call vLLM's FlashAttention backend makes: with a
-        BF16 cache its unit descales, with an FP8 one (q, k, v in E4M3) ``descales`` = the layer's
-        (q, k, v) scales ([1] fp32 each) and the output in ``out_dtype``."""
+                        out_dtype: torch.dtype | None = None,
+                        max_seqlen_q: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of each query segment over its own pages of K/V (the segment's queries
+        are the last of the ``seqused_k`` positions, as in vLLM's decode and chunked prefill), with
+        one KV split: (out [T, H, D], lse [H, T] fp32). The call vLLM's FlashAttention backend
+        makes: with a BF16 cache its unit descales, with an FP8 one (q, k, v in E4M3) ``descales`` =
+        the layer's (q, k, v) scales ([1] fp32 each) and the output in ``out_dtype``.
+        ``max_seqlen``: the longest segment of keys (and of queries, unless ``max_seqlen_q``)."""
         groups = (seqused_k.numel(), k_pages.shape[2])
         if descales is None:
             ones = torch.ones(1, dtype=torch.float32, device=q_THD.device)
@@ -220,7 +242,8 @@ class VllmKernels:
         q_descale, k_descale, v_descale = (d.expand(groups) for d in descales)
         out = None if out_dtype is None else torch.empty(q_THD.shape, dtype=out_dtype, device=q_THD.device)
         out, lse = self.flash_attn_varlen_func(
-            q=q_THD, k=k_pages, v=v_pages, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen,
+            q=q_THD, k=k_pages, v=v_pages, out=out, cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen if max_seqlen_q is None else max_seqlen_q,
             seqused_k=seqused_k, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True,
             block_table=block_table, return_softmax_lse=True, fa_version=self.fa_version, num_splits=1,
             q_descale=q_descale if self.descale_query else None, k_descale=k_descale, v_descale=v_descale)
@@ -296,6 +319,29 @@ def kv_pages(cu_seqlens: torch.Tensor, positions_T: torch.Tensor, max_seqlen: in
     max_pages = (max_seqlen + page - 1) // page
     table = (first_page[:, None] + torch.arange(max_pages, device=device)[None, :]).clamp_(max=num_pages - 1)
     return KvPages(slots, table.to(torch.int32), lens.to(torch.int32), num_pages, page)
+
+
+def query_chunks(cu_seqlens: torch.Tensor, pages: KvPages, tokens: int, chunk: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed batch's queries as segments of at most ``chunk`` consecutive tokens of one sequence,
+    each attending to its sequence's pages up to its last token (what vLLM's steps see when it
+    schedules at most ``chunk`` new tokens of a request at a time). Returns (cu_seqlens_q [N + 1]
+    int32, seqused_k [N] int32, block_table [N, max pages] int32) for a fixed N = T // chunk + S:
+    segments past the last are empty (no host synchronization)."""
+    seqs = cu_seqlens.numel() - 1
+    device = cu_seqlens.device
+    starts, lens = cu_seqlens[:-1].to(torch.int64), (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    per_seq = (lens + chunk - 1) // chunk
+    ends = torch.cumsum(per_seq, 0)
+    segments = tokens // chunk + seqs
+    index = torch.arange(segments, device=device)
+    seq = torch.searchsorted(ends, index, right=True).clamp_(max=seqs - 1)
+    real = index < ends[-1]
+    offset = (index - (ends[seq] - per_seq[seq])) * chunk  # the segment's first position in its sequence
+    first = torch.where(real, starts[seq] + offset, tokens)
+    used = torch.where(real, torch.minimum(offset + chunk, lens[seq]), 0)
+    cu_q = torch.cat([first, torch.full((1,), tokens, dtype=torch.int64, device=device)])
+    return cu_q.to(torch.int32), used.to(torch.int32), pages.block_table[seq]
 
 
 def paged_kv(k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor, positions_T: torch.Tensor,

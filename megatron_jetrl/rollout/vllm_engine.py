@@ -184,7 +184,7 @@ def llm_kwargs(model_path: str | Path, hf_config: Mapping[str, Any], recipe: Pre
         compilation["pass_config"] = {"fuse_norm_quant": False, "fuse_act_quant": False}
     if compilation:
         kwargs["compilation_config"] = compilation
-    return vllm_exact.llm_kwargs(kwargs) if recipe.exact else kwargs
+    return vllm_exact.llm_kwargs(kwargs, hf_config) if recipe.exact else kwargs
 
 
 def samples_from_outputs(outputs: Sequence[Any], n: int) -> list[Sample]:
@@ -379,21 +379,40 @@ class VllmEngine:
         allocator unmaps every allocation it frees, and freeing one that is already unmapped fails
         on CUDA ("invalid argument" from cumem_allocator.cpp, at exit). Then the engine is dropped
         and the allocator's pools released while everything in them is still mapped. Close the
-        trainer's model first: waking takes back the engine's whole share of the GPU for a moment."""
+        trainer's model first: waking takes back the engine's whole share of the GPU for a moment
+        (where it cannot, ``_map_back`` says so and the close goes on without it)."""
         if self._llm is not None:
             asleep = [tag for tag, awake in self._awake.items() if not awake]
-            if asleep:
-                self._llm.wake_up(tags=asleep)
-                self._awake = dict.fromkeys(self._awake, True)
+            mapped = self._map_back(asleep) if asleep else True
             self._llm = None
             gc.unfreeze()  # vLLM froze the objects of the process at start-up, as its shutdown would undo
             gc.collect()
-            _release_cumem_pools()
+            if mapped:
+                _release_cumem_pools()
         if self._model_dir is not None:
             shutil.rmtree(self._model_dir, ignore_errors=True)
             self._model_dir = None
             vllm_quant.uninstall()  # a later engine of this process chooses again
             vllm_exact.uninstall()
+
+    def _map_back(self, asleep: list[str]) -> bool:
+        """Wake ``asleep`` for ``close``; False, saying so in one line, when the GPU has no room for
+        them (something outside the engine still holds memory): the engine is then dropped without
+        releasing its allocator's pools, and vLLM may report a cumem error at exit, nothing worse."""
+        gc.collect()
+        torch.cuda.empty_cache()  # what the trainer let go of goes back to the device first
+        try:
+            self._llm.wake_up(tags=asleep)
+        except RuntimeError as e:  # vLLM's allocator: "CUDA Error: out of memory at cumem_allocator.cpp"
+            if "out of memory" not in str(e):
+                raise
+            free, _ = torch.cuda.mem_get_info()
+            print(f"vllm engine: closing without mapping its slept {' and '.join(asleep)} back: out of GPU memory "
+                  f"({free / 2**30:.1f} GiB free; PyTorch holds {torch.cuda.memory_allocated() / 2**30:.1f} GiB "
+                  "outside the engine's pools); vLLM may report a cumem error at exit", file=sys.stderr)
+            return False
+        self._awake = dict.fromkeys(self._awake, True)
+        return True
 
     @property
     def weights_discarded(self) -> bool:

@@ -18,7 +18,9 @@ How:
   (kept), cascade attention off (vLLM does that itself in this mode).
 - With an FP8 KV cache, the query's static quantization runs ``jetrl::static_fp8_quant``
   (``vllm_quant.install(exact=True)``); vLLM's cache kernel writes K/V as usual, and the trainer's
-  attention calls that same kernel.
+  attention calls that same kernel. vLLM schedules at most ``ops.exact.fp8_kv_query_chunk`` new
+  tokens of a request per step, which keeps FlashAttention's FP8 kernel on one tile shape
+  (``ops.exact.FP8_KV_QUERY_ROWS``); the trainer attends in chunks of as many queries.
 - ``check_engine``: after vLLM built the model, every norm, activation and rotary module must be
   one of the replacements and every attention layer must run FlashAttention of the trainer's
   version (with an FP8 KV cache: quantizing its query with the exact op); anything else is an
@@ -28,11 +30,11 @@ How:
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from megatron_jetrl.ops.exact import KV_PAGE, custom_ops, rope_inv_freq, vllm_kernels
+from megatron_jetrl.ops.exact import KV_PAGE, custom_ops, fp8_kv_query_chunk, rope_inv_freq, vllm_kernels
 
 _REPLACED = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
 
@@ -138,11 +140,15 @@ def uninstall() -> None:
         _forget_rotary_embeddings()
 
 
-def llm_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments of an exact engine, from the engine's usual ones."""
+def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments of an exact engine, from the engine's usual ones; with an FP8
+    KV cache, at most ``fp8_kv_query_chunk`` new tokens of a request per step (``ops.exact``)."""
     out = dict(kwargs)
     out["block_size"] = KV_PAGE
     out["attention_config"] = {"backend": "FLASH_ATTN"}
+    if str(kwargs.get("kv_cache_dtype", "auto")).startswith("fp8"):
+        heads = hf_config["num_attention_heads"]
+        out["long_prefill_token_threshold"] = fp8_kv_query_chunk(heads, hf_config.get("num_key_value_heads", heads))
     return out
 
 
@@ -166,6 +172,11 @@ def check_engine(worker: Any) -> dict[str, int]:
                     and kernels.descale_query):
                 wrong.append(f"{name}: FP8 KV cache without the exact query quantization "
                              f"({type(attention.query_quant).__name__})")
+            chunk = fp8_kv_query_chunk(attention.num_heads, attention.num_kv_heads)
+            got = worker.vllm_config.scheduler_config.long_prefill_token_threshold
+            if got != chunk:
+                wrong.append(f"{name}: FP8 KV cache with up to {got or 'any number of'} new tokens a request per step; "
+                             f"the exact schedule takes {chunk} (long_prefill_token_threshold)")
     if wrong:
         raise RuntimeError("precision.exact: vLLM built modules without their exact kernels (the rollout would "
                            "not be exact): " + "; ".join(wrong[:8]))

@@ -323,6 +323,29 @@ def test_engine_close_maps_slept_memory_back_before_letting_go(engine_on_cpu):
     assert llm.calls[-1] == ("wake_up", ["weights", "kv_cache"])
 
 
+def test_engine_close_without_room_to_map_back_says_so_and_still_lets_go(engine_on_cpu, monkeypatch, capsys):
+    """Where the GPU has no room to map the slept memory back (the trainer still holds some), close
+    says so in one line and drops the engine without releasing the allocator's pools, instead of
+    failing a finished job at its very end."""
+    import megatron_jetrl.rollout.vllm_engine as vllm_engine
+
+    engine, _ = engine_on_cpu
+    llm = engine._llm
+    engine.sleep()
+
+    def out_of_memory(tags):
+        raise RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163")
+
+    released = []
+    monkeypatch.setattr(llm, "wake_up", out_of_memory)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(vllm_engine, "_release_cumem_pools", lambda: released.append(True))
+    engine.close()
+    assert engine._llm is None and released == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "out of GPU memory (2.0 GiB free" in err[0] and "weights and kv_cache" in err[0]
+
+
 def test_engine_weight_buffers_are_the_live_parameters(engine_on_cpu):
     """What the weight sync does with an in-place engine: raw bytes into ``weight_buffers()``, the
     rest through ``update_weights``; a reload engine offers no buffers."""

@@ -123,3 +123,20 @@ def test_the_exact_query_quantization_of_an_fp8_kv_cache_is_the_trainers_op(tmp_
         assert torch.equal(compiled(x, scale).view(torch.uint8), want.view(torch.uint8))
     finally:
         vllm_quant.uninstall()
+
+
+def test_with_an_fp8_kv_cache_vllm_schedules_the_trainers_query_chunks(tmp_path):
+    """An exact engine with an FP8 KV cache gives a request at most ``fp8_kv_query_chunk`` new
+    tokens a step (vLLM's own scheduler setting), so each FlashAttention call sees queries of that
+    length at most, as the trainer's chunked attention does; without an FP8 cache, no cap."""
+    from megatron_jetrl.ops.exact import fp8_kv_query_chunk
+    from megatron_jetrl.rollout.vllm_engine import VllmOptions
+
+    model = tiny_model("Qwen3ForCausalLM")
+    hf, model_dir = model.config, write_config(model, tmp_path / "ckpt")
+    chunk = fp8_kv_query_chunk(hf.num_attention_heads, hf.num_key_value_heads)
+    fp8 = cpu_vllm_config(model_dir, PrecisionRecipe(exact=True), VllmOptions(kv_cache_dtype="fp8"))
+    assert fp8.scheduler_config.long_prefill_token_threshold == chunk == 64 // (hf.num_attention_heads //
+                                                                                hf.num_key_value_heads)
+    bf16_cache = cpu_vllm_config(model_dir, PrecisionRecipe(exact=True))
+    assert bf16_cache.scheduler_config.long_prefill_token_threshold == 0

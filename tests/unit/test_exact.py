@@ -156,6 +156,33 @@ def test_paged_kv_puts_each_sequence_on_its_own_pages():
     assert len(used_pages) == len(set(used_pages))
 
 
+def test_fp8_queries_are_cut_into_the_chunks_vllm_schedules():
+    """With an FP8 KV cache the trainer attends in segments of at most ``chunk`` queries of one
+    sequence, each over its sequence's pages up to its last token, as vLLM's steps do when it
+    schedules that many new tokens of a request at a time; unused segments are empty."""
+    from megatron_jetrl.ops.exact import ExactUnavailable, fp8_kv_query_chunk, kv_pages, query_chunks
+
+    assert fp8_kv_query_chunk(32, 8) == 16 and fp8_kv_query_chunk(8, 4) == 32 and fp8_kv_query_chunk(4, 4) == 64
+    with pytest.raises(ExactUnavailable):
+        fp8_kv_query_chunk(128, 1)
+    lengths, chunk = [5, 16, 1, 40, 17], 16
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = sum(lengths)
+    pages = kv_pages(cu, packed_positions(cu, tokens), max(lengths))
+    cu_q, used, table = query_chunks(cu, pages, tokens, chunk)
+    want = []  # (first token, keys seen, sequence) of every segment, by a plain loop
+    for i, n in enumerate(lengths):
+        for a in range(0, n, chunk):
+            want.append((int(cu[i]) + a, min(a + chunk, n), i))
+    segments = tokens // chunk + len(lengths)
+    assert cu_q.dtype == used.dtype == table.dtype == torch.int32 and cu_q.numel() == segments + 1
+    assert [(int(cu_q[j]), int(used[j])) for j in range(len(want))] == [(f, u) for f, u, _ in want]
+    for j, (_, _, i) in enumerate(want):
+        assert torch.equal(table[j], pages.block_table[i])
+        assert int(cu_q[j + 1]) - int(cu_q[j]) <= chunk
+    assert (cu_q[len(want):] == tokens).all() and (used[len(want):] == 0).all()  # empty segments after
+
+
 # ------------------------------------------------------------------ exact logprobs
 
 
