@@ -91,7 +91,6 @@ def install(pow2_scales: bool, eps: float, exact: bool = False) -> None:
     ``vllm.LLM`` builds the model. Installing the same options again is a no-op; other options
     while installed raise (one engine per process)."""
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
-    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
     from megatron_jetrl.ops.exact import custom_ops
     from megatron_jetrl.ops.extension import load_extension
@@ -117,10 +116,8 @@ def install(pow2_scales: bool, eps: float, exact: bool = False) -> None:
             self.trainer_groups = (not self.static and tuple(self.group_shape) == (1, GROUP)
                                    and not self.use_ue8m0)
             self.jetrl_exact_static = exact and self.static
-            """Static quantization through the exact op (an FP8 KV cache's query, ``precision.exact``)."""
-            if self.jetrl_exact_static and tuple(self.group_shape) != tuple(GroupShape.PER_TENSOR):
-                raise RuntimeError(f"precision.exact: static FP8 quantization with groups {tuple(self.group_shape)} "
-                                   "(per-head KV-cache scales?) has no exact kernel; the exact op takes one scale")
+            """Static quantization through the exact op (an FP8 KV cache's query, ``precision.exact``;
+            vLLM asks for per-head groups where the model has one KV head: one scale all the same)."""
             if self.trainer_groups and self.num_token_padding is not None:
                 raise RuntimeError(f"vLLM asked for 1x128 activation quantization with token padding "
                                    f"{self.num_token_padding}; rollout.vllm.activation_quant=trainer does not pad "
@@ -128,17 +125,23 @@ def install(pow2_scales: bool, eps: float, exact: bool = False) -> None:
 
         def forward_native(self, x, scale=None, scale_ub=None, use_triton=False):
             if self.jetrl_exact_static:
-                return exact_ops.static_fp8_quant(x, scale), scale
+                return self._exact_static(x, scale)
             if not self.trainer_groups:
                 return super().forward_native(x, scale, scale_ub, use_triton)
             return self._trainer(x)
 
         def forward_cuda(self, x, scale=None, scale_ub=None, use_triton=False):
             if self.jetrl_exact_static:
-                return exact_ops.static_fp8_quant(x, scale), scale
+                return self._exact_static(x, scale)
             if not self.trainer_groups:
                 return super().forward_cuda(x, scale, scale_ub, use_triton)
             return self._trainer(x)
+
+        def _exact_static(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if scale.numel() != 1:
+                raise RuntimeError(f"precision.exact: static FP8 quantization with {scale.numel()} scales (per-head "
+                                   "KV-cache scales) has no exact kernel; the exact op takes one scale")
+            return exact_ops.static_fp8_quant(x, scale), scale
 
         def _trainer(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if x.dim() != 2 or x.shape[-1] % GROUP:

@@ -95,7 +95,8 @@ def test_install_is_idempotent_and_uninstall_restores_vllms_classes():
 def test_the_exact_query_quantization_of_an_fp8_kv_cache_is_the_trainers_op(tmp_path):
     """With an FP8 KV cache vLLM quantizes the query by its per-layer scale (a static per-tensor
     ``QuantFP8``); in the exact mode that is ``jetrl::static_fp8_quant``, one opaque call under
-    torch.compile, the op the trainer's exact attention calls. Per-head scales have no exact op."""
+    torch.compile, the op the trainer's exact attention calls; also with the per-head groups vLLM
+    asks for where the model has one KV head (one scale). Several per-head scales have no exact op."""
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
@@ -108,9 +109,8 @@ def test_the_exact_query_quantization_of_an_fp8_kv_cache_is_the_trainers_op(tmp_
     try:
         with set_current_vllm_config(config):
             quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
-            with pytest.raises(RuntimeError, match="no exact kernel"):
-                QuantFP8(static=True, group_shape=GroupShape(-1, 256))
-        assert type(quant).__name__ == "TrainerQuantFP8" and quant.jetrl_exact_static
+            per_head = QuantFP8(static=True, group_shape=GroupShape(-1, 256))  # what one KV head gets
+        assert type(quant).__name__ == "TrainerQuantFP8" and quant.jetrl_exact_static and per_head.jetrl_exact_static
         g = torch.Generator().manual_seed(0)
         x = (torch.randn(7, 512, generator=g) * 300).to(torch.bfloat16)  # some beyond ±448 after scaling
         scale = torch.tensor([0.37])
@@ -121,6 +121,9 @@ def test_the_exact_query_quantization_of_an_fp8_kv_cache_is_the_trainers_op(tmp_
             assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)) and s is scale
         compiled = torch.compile(lambda a, b: quant.forward_native(a, b)[0], fullgraph=True, backend="aot_eager")
         assert torch.equal(compiled(x, scale).view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(per_head.forward_native(x, scale)[0].view(torch.uint8), want.view(torch.uint8))
+        with pytest.raises(RuntimeError, match="no exact kernel"):  # per-head scales of several KV heads
+            per_head.forward_native(x, torch.tensor([0.37, 0.5]))
     finally:
         vllm_quant.uninstall()
 
