@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from megatron_jetrl.job import load_job, resolve
+from megatron_jetrl.job.estimate import gpu_capacity
 
 from benchmarks import rl_summary
 from benchmarks.headline import Figure, update
@@ -30,8 +31,9 @@ PHASES = rl_summary.TABLE_PHASES
 MEASURED = ("generate_peak_allocated", "update_peak_allocated", "peak_reserved", "device_used")
 
 
-def summarise(run_dir: Path, world_size: int) -> dict:
-    """rl_summary's numbers of the run, with its layout and the memory plan of its config."""
+def summarise(run_dir: Path, world_size: int, capacity: float) -> dict:
+    """rl_summary's numbers of the run, with its layout and the memory plan of its config for GPUs
+    of ``capacity`` bytes (vLLM's share is a fraction of it)."""
     run = rl_summary.summarise(run_dir / "metrics.jsonl")
     job = load_job(run_dir / "config.yaml")
     resolved = resolve(job, world_size)
@@ -45,9 +47,16 @@ def summarise(run_dir: Path, world_size: int) -> dict:
         "layers": resolved.bridge.dims.num_layers,
         "params_b": plan.total_params / 1e9,
         "measured_gib": {k: run["memory_gib"].get(k, nan) for k in MEASURED},
-        "plan_gib": {"trainer": plan.trainer_total / 2**30, "rollout": plan.rollout_total() / 2**30,
-                     "peak": plan.peak() / 2**30},
+        "plan_gib": {"trainer": plan.trainer_total / 2**30, "rollout": plan.rollout_total(capacity) / 2**30,
+                     "peak": plan.peak(capacity) / 2**30},
     }
+
+
+def _host_gpu() -> str | None:
+    """This host's GPU memory in GiB (as ``--gpu-memory`` takes it), or None without a GPU."""
+    import torch
+
+    return f"{torch.cuda.mem_get_info()[1] / 2**30}" if torch.cuda.is_available() else None
 
 
 def headline_figures(runs: dict[str, dict], key: str) -> dict[str, Figure]:
@@ -68,6 +77,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--gpu-memory", help="the GPUs' memory for the plan: H100, H200 or GiB (default: this host's "
+                                         "GPU, else H100)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--headline", type=Path, help="headline file for the fp8 / bf16 figures (module docstring)")
     ap.add_argument("--headline-key", help="the figures' key prefix, e.g. rl_step_8b_full")
@@ -75,12 +86,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.headline and not (args.headline_key and args.command):
         ap.error("--headline needs --headline-key and --command (what the figures are and how they were made)")
+    capacity = gpu_capacity(args.gpu_memory or _host_gpu() or "H100")
     results = []
     for run in args.runs:
         if not (run / "metrics.jsonl").is_file():
             print(f"{run.name}: no metrics.jsonl (the run did not finish a step)")
             continue
-        results.append(summarise(run, args.world_size))
+        results.append(summarise(run, args.world_size, capacity))
     head = (f"{'run':<16} {'layout':<14} {'layers':>6} {'params':>7} {'steps':>5} "
             + " ".join(f"{p + '_s':>10}" for p in PHASES) + f" {'tok/s/GPU':>10}")
     print(head)
