@@ -4,7 +4,8 @@ memory per GPU measured, next to the memory plan ``jetrl check`` gives for the s
     python -m benchmarks.scale_summary RUN_DIR [...] --world-size 4 [--json OUT]
         [--headline FILE --headline-key rl_step_8b_full --command "THE RUNS' COMMAND"]
 
-Times are means over steps 2.. (step 1 includes CUDA-graph capture and allocator warm-up). Memory
+Times are means over steps 2.. (step 1 includes CUDA-graph capture and allocator warm-up), without
+the config's profiled steps (``run.profile_steps``). Memory
 is the largest over ranks and steps: PyTorch's peak allocation in the generate phase and in the
 update phase, and the device's used memory (PyTorch's reservation plus CUDA context, NCCL,
 cuBLAS workspaces and graph pools).
@@ -34,8 +35,8 @@ MEASURED = ("generate_peak_allocated", "update_peak_allocated", "peak_reserved",
 def summarise(run_dir: Path, world_size: int, capacity: float) -> dict:
     """rl_summary's numbers of the run, with its layout and the memory plan of its config for GPUs
     of ``capacity`` bytes (vLLM's share is a fraction of it)."""
-    run = rl_summary.summarise(run_dir / "metrics.jsonl")
     job = load_job(run_dir / "config.yaml")
+    run = rl_summary.summarise(run_dir / "metrics.jsonl", untimed=tuple(job.run.profile_steps))
     resolved = resolve(job, world_size)
     plan = resolved.memory
     par = job.actor.parallel

@@ -10,7 +10,9 @@
 #   then, back to back until it says ALL DONE:   bash benchmarks/gpu_host/rl_8b_full.sh wait 560
 #   (the whole run takes longer than one call; it runs on in the background while the machine is held)
 #   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 4) override the layout; PREEMPT=0
-#   skips the checkpoint/resume part. Responses have fixed lengths (ignore_eos), so both modes do the
+#   skips the checkpoint/resume part; ARGS adds overrides to every run (e.g. STEPS=5
+#   ARGS="run.profile_steps=[5]": one more step, profiled by kernel class into the run directory and
+#   left out of the timed steps). Responses have fixed lengths (ignore_eos), so both modes do the
 #   same work; the timed steps (2..STEPS) give the headline figures rl_step_8b_full_* in
 #   $out/headline.json (merge them with python -m benchmarks.headline merge).
 # Logs, metrics and the runs' configs go back as $OUT/vllm_8b_multi.tgz. Without an argument it runs
@@ -37,13 +39,14 @@ export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 V
   HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
 tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-4} preempt=${PREEMPT:-1}
-command="TP=$tp RTP=$rtp STEPS=$steps PREEMPT=$preempt bash benchmarks/gpu_host/rl_8b_full.sh"
+extra=(${ARGS:-})
+command="TP=$tp RTP=$rtp STEPS=$steps PREEMPT=$preempt ARGS='${ARGS:-}' bash benchmarks/gpu_host/rl_8b_full.sh"
 [ "$gpus" -ge 4 ] || { echo "vllm_8b_multi.sh is for 4 or 8 GPUs; this host has $gpus"; exit 1; }
 cfg=benchmarks/configs/qwen3_8b_dims.yaml
 layout=(model.config.num_hidden_layers=36 rollout.engine=vllm actor.parallel.tp="$tp"
         actor.parallel.sequence_parallel=true rollout.vllm.tensor_parallel_size="$rtp"
         rollout.offload_actor=true rollout.vllm.gpu_memory_utilization=0.7 rollout.sampling.ignore_eos=true
-        log.console=false run.save_every=0)
+        log.console=false run.save_every=0 "${extra[@]}")
 runs=/tmp/vllm_8b_runs
 rm -rf "$runs" && mkdir -p "$runs" "$out"
 rc_all=0

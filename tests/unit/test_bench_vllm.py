@@ -273,21 +273,22 @@ def test_the_docs_table_is_the_headline_file():
 
 def test_scale_summary_plans_vllms_share_of_the_gpu_it_is_given(tmp_path):
     """The memory plan beside a scale run counts vLLM's share of the GPU's memory (as ``jetrl check``
-    does for that GPU), not nothing."""
+    does for that GPU), not nothing; a profiled step is not a timed one."""
     import yaml
 
     from benchmarks.scale_summary import summarise
     from megatron_jetrl.job import load_job
 
     job = load_job("benchmarks/configs/qwen3_8b_dims.yaml", ["rollout.engine=vllm", "rollout.offload_actor=true",
-                                                             "rollout.vllm.gpu_memory_utilization=0.7"])
+                                                             "rollout.vllm.gpu_memory_utilization=0.7",
+                                                             "run.profile_steps=[4]"])
     run = tmp_path / "fp8"
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
     rows = [{"step": s, "timing/step_s": 10.0 + s, "perf/tokens_per_step": 1000.0, "perf/tokens_per_s_per_gpu": 50.0,
-             "memory/device_used_gib": 60.0} for s in (1, 2, 3)]
+             "memory/device_used_gib": 60.0} for s in (1, 2, 3, 4)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = summarise(run, 1, 79.1 * 2**30)
     assert r["plan_gib"]["rollout"] == pytest.approx(0.7 * 79.1)
     assert r["plan_gib"]["peak"] >= r["plan_gib"]["rollout"] and r["measured_gib"]["device_used"] == 60.0
-    assert r["seconds_per_step"]["step"] == [12.0, 13.0]  # steps 2.. are the timed ones
+    assert r["seconds_per_step"]["step"] == [12.0, 13.0]  # steps 2.., without the profiled one
