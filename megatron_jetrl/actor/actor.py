@@ -173,7 +173,7 @@ class Actor:
         return TokenLogprobs(full["logprobs"], full.get("entropy"), meter.scales if kv_scales else None)
 
     @contextlib.contextmanager
-    def kv_scale_meter(self) -> Iterator["KvScaleMeter"]:
+    def kv_scale_meter(self) -> Iterator[KvScaleMeter]:
         """Inside the block every forward pass of this actor measures the FP8 KV-cache scales
         (``precision/kv_cache.py``); at its end ``meter.scales`` holds them ([num_layers, 3] fp32,
         CPU, alike on every rank). Collective: every rank of the job enters and leaves it."""

@@ -213,7 +213,7 @@ class VllmKernels:
         return self.cutlass_scaled_mm(a.data, w.data.t(), scale_a=scale_a, scale_b=w.scale_inv.t(),
                                       out_dtype=out_dtype)
 
-    def fp8_pages(self, k_THD: torch.Tensor, v_THD: torch.Tensor, pages: "KvPages", k_scale: torch.Tensor,
+    def fp8_pages(self, k_THD: torch.Tensor, v_THD: torch.Tensor, pages: KvPages, k_scale: torch.Tensor,
                   v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as an FP8 paged cache (k_pages, v_pages [P, page, Hkv, D] float8_e4m3fn), written
         by vLLM's cache kernel with these scales ([1] fp32), as vLLM writes its FP8 KV cache."""
@@ -276,8 +276,7 @@ def vllm_kernels() -> VllmKernels:
         raise ExactUnavailable("vLLM lacks linear_batch_invariant or _custom_ops.cutlass_scaled_mm (the exact forward)")
     try:
         from vllm.v1.attention.backends.fa_utils import (flash_attn_supports_quant_query_input,
-                                                         get_flash_attn_version)
-        from vllm.v1.attention.backends.fa_utils import reshape_and_cache_flash
+                                                         get_flash_attn_version, reshape_and_cache_flash)
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
         from vllm.vllm_flash_attn import flash_attn_varlen_func
     except ImportError as e:

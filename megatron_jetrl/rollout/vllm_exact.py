@@ -173,10 +173,10 @@ def check_engine(worker: Any) -> dict[str, int]:
                 wrong.append(f"{name}: FP8 KV cache without the exact query quantization "
                              f"({type(attention.query_quant).__name__})")
             chunk = fp8_kv_query_chunk(attention.num_heads, attention.num_kv_heads)
-            got = worker.vllm_config.scheduler_config.long_prefill_token_threshold
-            if got != chunk:
-                wrong.append(f"{name}: FP8 KV cache with up to {got or 'any number of'} new tokens a request per step; "
-                             f"the exact schedule takes {chunk} (long_prefill_token_threshold)")
+            threshold = worker.vllm_config.scheduler_config.long_prefill_token_threshold
+            if threshold != chunk:
+                wrong.append(f"{name}: FP8 KV cache with up to {threshold or 'any number of'} new tokens a request per "
+                             f"step; the exact schedule takes {chunk} (long_prefill_token_threshold)")
     if wrong:
         raise RuntimeError("precision.exact: vLLM built modules without their exact kernels (the rollout would "
                            "not be exact): " + "; ".join(wrong[:8]))

@@ -13,7 +13,7 @@ How:
   its ops) makes every ``QuantFP8`` built afterwards in this process a ``TrainerQuantFP8``. Dynamic
   1x128 group quantization goes to the trainer's kernel; every other kind (static, per-token,
   per-tensor, power-of-two scales for DeepGEMM) stays vLLM's, except in the exact mode, where the
-  static per-tensor one (an FP8 KV cache's query) runs ``jetrl::static_fp8_quant``
+  static one (an FP8 KV cache's query, one scale) runs ``jetrl::static_fp8_quant``
   (``ops/exact.py``), the op the trainer's exact attention quantizes its queries with.
 - The kernel is wrapped as a torch custom op (``jetrl::quantize_1x128_rows``), one opaque call
   for torch.compile and CUDA graphs.
@@ -86,8 +86,8 @@ def _registry() -> dict:
 def install(pow2_scales: bool, eps: float, exact: bool = False) -> None:
     """Make every vLLM ``QuantFP8`` built from now on in this process quantize dynamic 1x128 groups
     with the trainer's kernel and these scale options (the recipe's ``precision.fp8``); with
-    ``exact`` (``precision.exact``), static per-tensor quantization (an FP8 KV cache's query) with
-    ``jetrl::static_fp8_quant``, which the trainer's exact attention calls too. Call before
+    ``exact`` (``precision.exact``), static quantization with one scale (an FP8 KV cache's query)
+    with ``jetrl::static_fp8_quant``, which the trainer's exact attention calls too. Call before
     ``vllm.LLM`` builds the model. Installing the same options again is a no-op; other options
     while installed raise (one engine per process)."""
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
