@@ -38,7 +38,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_jetrl.actor import model as model_lib
 from megatron_jetrl.actor.layers import PackedCoreAttention, _Fp8LinearMixin, attach_packed_positions
 from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs
-from megatron_jetrl.actor.memory import DeviceMemory, OffloadReport
+from megatron_jetrl.actor.memory import DeviceMemory, OffloadReport, release
 from megatron_jetrl.actor.packing import (
     PackedBatch,
     align_to_tokens,
@@ -304,7 +304,14 @@ class Actor:
 
     def close(self) -> None:
         """Release the model, optimizer and megatron's parallel state (another Actor may follow in
-        this process). The object is unusable afterwards."""
+        this process). The object is unusable afterwards. The GPU memory of parameters, gradients,
+        optimizer state and FP8 caches is freed even where something else still refers to them
+        (``memory.release``): a colocated engine may need all of it at once right after."""
+        if self.model is not None:
+            for _, m in self._fp8_linears():
+                m.fp8_cache.invalidate()
+            params = list(self.model.parameters())
+            release([*params, *(getattr(p, "main_grad", None) for p in params), *self._optimizer_tensors()])
         self.config.finalize_model_grads_func = self.config.grad_scale_func = self.config.no_sync_func = None
         self.model = self.gpt = self.optimizer = self.scheduler = None
         self._memory = DeviceMemory()

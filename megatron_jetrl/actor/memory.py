@@ -40,10 +40,10 @@ class _Offloaded:
         self.host = host
 
 
-def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+def _unique_storages(tensors: Iterable[torch.Tensor], cuda_only: bool = True) -> list[torch.UntypedStorage]:
     seen, out = set(), []
     for t in tensors:
-        if t is None or not t.is_cuda:
+        if t is None or (cuda_only and not t.is_cuda):
             continue
         s = t.untyped_storage()
         key = s.data_ptr()
@@ -56,6 +56,18 @@ def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStora
 
 def _bytes_view(storage: torch.UntypedStorage, device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def release(tensors: Iterable[torch.Tensor | None], cuda_only: bool = True) -> int:
+    """Free the memory of ``tensors`` now, whoever still refers to them: each storage is resized to
+    zero bytes, so every view of it (a parameter in megatron's buffer, an optimizer's reference)
+    is left empty. Returns the bytes released. For an object about to be dropped: a reference kept
+    elsewhere (a hook, a closure, a global) would otherwise keep its memory alive."""
+    storages = _unique_storages(tensors, cuda_only)
+    released = sum(s.nbytes() for s in storages)
+    for storage in storages:
+        storage.resize_(0)
+    return released
 
 
 class DeviceMemory:

@@ -353,7 +353,11 @@ class Scenarios:
             "next_step_identical": bool(torch.equal(next_lp, next_reloaded)),
             "grad_norms": [m1["grad_norm"], m2["grad_norm"]], "steps": actor.steps,
         })
+        lingering = list(actor.model.parameters())  # a reference that outlives the actor (a hook, a closure)
+        open_alloc = torch.cuda.memory_allocated()
         actor.close()
+        self.record("close", {"allocated_open": open_alloc, "allocated_closed": torch.cuda.memory_allocated(),
+                              "lingering_bytes": sum(p.untyped_storage().nbytes() for p in lingering)})
 
     def bad_input(self):
         arch = "LlamaForCausalLM"

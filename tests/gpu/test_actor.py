@@ -93,6 +93,15 @@ def test_offload_frees_memory_and_restores_exactly(one_gpu):
     assert "offloaded" in r["offloaded_call_error"]
 
 
+def test_close_frees_the_actors_memory_even_with_references_left(one_gpu):
+    """A colocated engine wakes its whole share right after the trainer closes its actor (at the end
+    of a job): the actor's parameters, gradients and optimizer state must be freed then, even where
+    something still refers to them."""
+    r = one_gpu["results"]["close"]
+    assert r["lingering_bytes"] == 0, r
+    assert r["allocated_closed"] <= 0.05 * r["allocated_open"], r
+
+
 def test_checkpoint_roundtrip_same_layout_is_exact(one_gpu):
     r = one_gpu["results"]["checkpoint_same_layout"]
     assert r["extra"] == {"note": "same-layout"}

@@ -229,3 +229,18 @@ def test_compiled_logprobs_equal_the_eager_reference(monkeypatch, vocab_start):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="impl 'fused'"):
         vocab_parallel_logprobs(logits, labels, vocab_start=vocab_start, vocab_size=vocab_size, impl="fused")
+
+
+def test_release_frees_storages_that_others_still_refer_to():
+    """``memory.release`` (what ``Actor.close`` runs on parameters, gradients and optimizer state):
+    every storage goes to zero bytes, so views and references kept elsewhere hold no memory;
+    storages shared by several tensors count once."""
+    from megatron_jetrl.actor.memory import release
+
+    buffer = torch.zeros(1000)
+    params = [buffer[:600].view(20, 30), buffer[600:]]  # megatron's parameters: views of one buffer
+    kept = {"hook": params[0], "optimizer": torch.ones(50)}  # references that outlive the owner
+    assert release([*params, None, kept["optimizer"]], cuda_only=False) == 1000 * 4 + 50 * 4
+    assert all(t.untyped_storage().nbytes() == 0 for t in (buffer, params[1], kept["hook"], kept["optimizer"]))
+    assert release([buffer], cuda_only=False) == 0  # already empty
+    assert release([torch.ones(3)]) == 0  # by default only GPU memory is released
