@@ -32,6 +32,7 @@ from megatron_jetrl.algo.settings import AlgoSettings
 from megatron_jetrl.config import ConfigError, apply_overrides, build, check_integer, load_yaml, to_plain
 from megatron_jetrl.data.settings import DataSettings, RewardSettings
 from megatron_jetrl.models import ModelBridge, bridge_for
+from megatron_jetrl.ops.exact import fp8_kv_query_chunk
 from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.engines import ENGINES, engine_kind
 from megatron_jetrl.rollout.settings import RolloutSettings
@@ -425,6 +426,17 @@ class Resolved:
     rollout_replicas: int
     memory: Any
 
+    def _exact_note(self, job: JobConfig) -> str:
+        """The precision line's note on an exact rollout: with an FP8 KV cache the engine prefills a
+        prompt a few tokens a step (``ops.exact.FP8_KV_QUERY_ROWS``), which a user should know."""
+        if not job.precision.exact:
+            return ""
+        if not job.rollout.fp8_kv_cache:
+            return ", exact rollout"
+        d = self.bridge.dims
+        return (f", exact rollout with an FP8 KV cache (vLLM prefills a prompt "
+                f"{fp8_kv_query_chunk(d.num_heads, d.num_groups)} tokens a step)")
+
     def describe(self, job: JobConfig, gpu_bytes: float | None = None) -> list[str]:
         """The layout and the memory plan (against a GPU of ``gpu_bytes``, when given)."""
         d = self.bridge.dims
@@ -435,7 +447,7 @@ class Resolved:
             f"heads {d.num_heads}/{d.num_groups} x {d.head_dim}, vocab {d.vocab_size} ({_count(params)} parameters)",
             f"precision    {job.precision.mode.value}"
             + (f" (bf16 first/last layers {job.precision.fp8.bf16_first_layers}/{job.precision.fp8.bf16_last_layers})"
-               if job.precision.train_fp8 or job.precision.rollout_fp8 else ""),
+               if job.precision.train_fp8 or job.precision.rollout_fp8 else "") + self._exact_note(job),
             f"world        {self.world_size} processes",
             f"trainer      TP={par.tp} PP={par.pp} DP={self.dp}" + (" +SP" if par.sequence_parallel else "")
             + f", {job.actor.max_tokens_per_microbatch} tokens/micro-batch, recompute {job.actor.recompute}",

@@ -289,6 +289,16 @@ def test_the_exact_query_quantization_divides_clamps_and_rounds_to_nearest_even(
     assert torch.equal(custom_ops().static_fp8_quant(y, s).view(torch.uint8), want.view(torch.uint8))
 
 
+def test_the_plan_says_how_an_exact_fp8_kv_engine_prefills():
+    """``jetrl check``'s precision line: an exact rollout, and with an FP8 KV cache the few prompt
+    tokens a step the engine prefills (64 / (query heads per KV head); the tiny model has 2 / 1)."""
+    plain = load_job("examples/configs/tiny_countdown.yaml", EXACT)
+    kv = load_job("examples/configs/tiny_countdown.yaml", [*EXACT, "rollout.vllm.kv_cache_dtype=fp8"])
+    line = next(x for x in resolve(kv, 1).describe(kv) if x.startswith("precision"))
+    assert line.endswith("exact rollout with an FP8 KV cache (vLLM prefills a prompt 32 tokens a step)"), line
+    assert next(x for x in resolve(plain, 1).describe(plain) if x.startswith("precision")).endswith(", exact rollout")
+
+
 def test_models_the_exact_forward_cannot_compute_are_refused():
     base = load_job("examples/configs/tiny_countdown.yaml", EXACT).model.hf_config_dict()
     check_exact_model(bridge_for(base))
