@@ -92,7 +92,7 @@ for t in $tests; do
     engine-rest) f=tests/gpu/test_vllm_engine.py; k="not two_gpus and not logprobs_match and not kv_cache_takes" ;;
     engine-two) f=tests/gpu/test_vllm_engine.py; k="two_gpus" ;;
     rl) f=tests/gpu/test_rl_loop.py; k="vllm" ;;
-    rl-exact) f=tests/gpu/test_rl_loop.py; k="fp8-exact or vllm-exact" ;;
+    rl-exact) f=tests/gpu/test_rl_loop.py; k="fp8-exact or fp8kv-exact or vllm-exact" ;;
     exact) f=tests/gpu/test_exact.py; k="not equal_tp_2" ;;
     exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths and not equal_tp_2" ;;
     exact-8b) f=tests/gpu/test_exact.py; k="8b_widths" ;;

@@ -1,8 +1,8 @@
 """The RL loop end to end on one GPU: ``jetrl train examples/configs/tiny_countdown.yaml`` learns
 (reward rises clearly) in unified FP8 and in BF16, with the hf engine and with vLLM (also with the
-exact rollout, whose k3 is 0 at every step), and a run killed by SIGTERM (SLURM preemption)
-continues from its checkpoint exactly where an uninterrupted run goes, with either engine and in
-the exact mode.
+exact rollout, whose k3 is 0 at every step, with a BF16 and an FP8 KV cache), and a run killed by
+SIGTERM (SLURM preemption) continues from its checkpoint exactly where an uninterrupted run goes,
+with either engine and in the exact modes.
 
 Each run is a real ``jetrl train`` process. Metrics files are copied to $JETRL_GPU_OUT/rl/ when
 that is set (benchmarks/gpu_host/check.sh sets it, and summarises them with benchmarks/rl_summary.py).
@@ -64,13 +64,19 @@ def _check_ok(proc: subprocess.CompletedProcess, code: int = 0) -> None:
 
 
 MODES = {"fp8": ("precision.mode=fp8",), "bf16": ("precision.mode=bf16",),
-         "fp8-exact": ("precision.mode=fp8", "precision.exact=true")}
-"""Precision overrides per mode; ``fp8-exact``: the exact rollout (vLLM's logprobs are the trainer's)."""
+         "fp8-exact": ("precision.mode=fp8", "precision.exact=true"),
+         "fp8kv-exact": ("precision.mode=fp8", "precision.exact=true", "rollout.vllm.kv_cache_dtype=fp8")}
+"""Precision overrides per mode; ``fp8-exact``: the exact rollout (vLLM's logprobs are the trainer's);
+``fp8kv-exact``: the same with an FP8 KV cache (its scales measured by the update, checkpointed)."""
+
+RESUME_RUNS = {"hf": ("hf", "fp8"), "vllm": ("vllm", "fp8"), "vllm-exact": ("vllm", "fp8-exact"),
+               "vllm-exact-kv": ("vllm", "fp8kv-exact")}
+"""Kill-and-resume runs: engine and mode of each."""
 
 
 @pytest.mark.parametrize("mode, engine", [
     ("fp8", "hf"), ("bf16", "hf"), pytest.param("fp8", "vllm", marks=requires_vllm),
-    pytest.param("fp8-exact", "vllm", marks=requires_vllm)])
+    pytest.param("fp8-exact", "vllm", marks=requires_vllm), pytest.param("fp8kv-exact", "vllm", marks=requires_vllm)])
 def test_tiny_example_learns(tmp_path, mode, engine):
     run_dir = tmp_path / f"tiny_{mode}_{engine}"
     start = time.perf_counter()
@@ -95,7 +101,7 @@ def test_tiny_example_learns(tmp_path, mode, engine):
     if mode == "fp8":
         # unified FP8: the engine computes with the trainer's bytes, so the mismatch stays tiny
         assert max(k3) < 1e-3, k3
-    if mode == "fp8-exact":  # every token's logprob equal, every step
+    if mode.endswith("exact"):  # every token's logprob equal, every step
         assert set(k3) == {0.0}, k3
         assert {r["rollout_corr/max_abs_dlogp"] for r in train} == {0.0}
         assert {r["rollout_corr/unequal_tokens"] for r in train} == {0.0}
@@ -104,11 +110,13 @@ def test_tiny_example_learns(tmp_path, mode, engine):
     assert (run_dir / "checkpoints" / "latest").is_file()
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=requires_vllm),
-                                    pytest.param("vllm-exact", marks=requires_vllm)])
+@pytest.mark.parametrize("engine", ["hf", *(pytest.param(e, marks=requires_vllm) for e in RESUME_RUNS if e != "hf")])
 def test_kill_and_resume_continues_exactly(tmp_path, engine):
+    """Killed after step 2 and run again: the same prompts, samples and rewards at every step (with an
+    FP8 KV cache, the resumed engine gets the scales the checkpoint kept, not fresh ones)."""
+    rollout_engine, mode = RESUME_RUNS[engine]
     short = ("run.steps=6", "run.save_every=0", "run.eval_every=0", "sft.steps=40",
-             f"rollout.engine={engine.removesuffix('-exact')}", *MODES["fp8-exact" if "exact" in engine else "fp8"])
+             f"rollout.engine={rollout_engine}", *MODES[mode])
     whole = tmp_path / "whole"
     _check_ok(_train(whole, *short))
     want = {r["step"]: r for r in _metrics(whole)}
@@ -141,6 +149,8 @@ def test_kill_and_resume_continues_exactly(tmp_path, engine):
         assert got[step]["data/prompt_index_fingerprint"] == want[step]["data/prompt_index_fingerprint"], step
         # same weights after the resume: the samples and their rewards repeat
         assert got[step]["reward/mean"] == want[step]["reward/mean"], (step, got[step], want[step])
+        if mode.endswith("exact"):
+            assert got[step]["rollout_corr/k3_kl"] == 0.0, (step, got[step])
 
 
 def test_kl_penalty_correction_dynamic_sampling_and_overlong(tmp_path):
