@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 from benchmarks.headline import Figure, command_line
+from benchmarks.rl_summary import same_work
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -474,15 +475,15 @@ def table(args) -> str:
             lines.append(f"{mode:>10} " + " ".join(f"{statistics.median(sec[p]):>9.3f}" for p in phases)
                          + f" {min(sec['step']):>7.2f}-{max(sec['step']):<7.2f} {len(sec['step']):>5}"
                          f" {statistics.median(tokens):>11.0f} {r.get('k3_kl', float('nan')):>9.2e}")
-        same_work = _same_tokens(step)
-        if not same_work:
+        equal_work = same_work(step.values())
+        if not equal_work:
             lines.append("(the modes did not generate the same tokens per step: no ratio is a headline figure; "
                          "rerun with responses of fixed length, rollout.sampling.ignore_eos=true)")
         for mode in (m for m in step if m != "bf16" and "bf16" in step):
             ratios = {p: Figure.ratio(timed["bf16"][p], timed[mode][p]) for p in phases}
             lines.append(f"{'bf16/' + mode:>10} " + " ".join(f"{ratios[p].value:>8.2f}x" for p in phases)
                          + f" {ratios['step'].spread[0]:>6.2f}x-{ratios['step'].spread[1]:.2f}x")
-            if same_work and mode in ("fp8", "fp8kv"):  # the product's two FP8 rollouts (weights; + KV cache)
+            if equal_work and mode in ("fp8", "fp8kv"):  # the product's two FP8 rollouts (weights; + KV cache)
                 headline[f"rl_step_vllm_{mode}_over_bf16"] = (ratios["step"], step[mode])
                 if mode == "fp8":
                     headline["rl_generate_fp8_over_bf16"] = (ratios["generate"], step[mode])
@@ -490,7 +491,7 @@ def table(args) -> str:
             exact = Figure.ratio(timed["fp8"]["step"], timed["fp8-exact"]["step"])
             lines.append(f"{'fp8/exact':>10} {exact.value:>8.2f}x step ({exact.spread[0]:.2f}x-{exact.spread[1]:.2f}x; "
                          "the exact step skips the recompute of old logprobs)")
-            if same_work:
+            if equal_work:
                 headline["rl_step_exact_over_default"] = (exact, step["fp8-exact"])
         for mode, r in step.items():
             if "profile" in r:
@@ -530,12 +531,6 @@ def _step_seconds(summary: dict) -> dict[str, list[float]]:
     """Seconds per phase of each timed step of a step run (older results: the mean, once)."""
     per_step = summary.get("seconds_per_step")
     return per_step if per_step else {p: [v] for p, v in summary["seconds"].items()}
-
-
-def _same_tokens(step: dict) -> bool:
-    """Whether every mode's timed steps generated the same number of tokens, step by step."""
-    tokens = [tuple(r.get("tokens_per_timed_step") or ()) for r in step.values()]
-    return bool(tokens[0]) and all(t == tokens[0] for t in tokens)
 
 
 # ------------------------------------------------------------------------------------------ main

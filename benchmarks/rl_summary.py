@@ -73,6 +73,13 @@ def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
     }
 
 
+def same_work(runs) -> bool:
+    """Whether the runs (``summarise``'s results) processed the same tokens at every timed step, so
+    their times compare: the condition of every step ratio that becomes a headline figure."""
+    tokens = [tuple(r.get("tokens_per_timed_step") or ()) for r in runs]
+    return bool(tokens) and bool(tokens[0]) and all(t == tokens[0] for t in tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("metrics", nargs="+", type=Path)

@@ -66,7 +66,7 @@ def headline_figures(runs: dict[str, dict], key: str) -> dict[str, Figure]:
     if not {"fp8", "bf16"} <= set(runs):
         raise ValueError(f"--headline needs runs named fp8 and bf16; got {', '.join(runs)}")
     fp8, bf16 = runs["fp8"], runs["bf16"]
-    if fp8["tokens_per_timed_step"] != bf16["tokens_per_timed_step"]:
+    if not rl_summary.same_work((fp8, bf16)):
         raise ValueError(f"fp8 and bf16 did not process the same tokens per timed step ({fp8['tokens_per_timed_step']}"
                          f" vs {bf16['tokens_per_timed_step']}): no headline figure (fixed lengths: "
                          "rollout.sampling.ignore_eos=true)")
