@@ -287,12 +287,11 @@ class Actor:
         before = torch.cuda.memory_allocated()
         for _, m in self._fp8_linears():
             m.fp8_cache.invalidate()
-        params = [p for p in self.model.parameters()]
-        grads = [getattr(p, "main_grad", None) for p in params]
+        state = self._state_tensors()
         released = self._memory.offload({
-            "params": (params, True),
-            "grads": (grads, False),
-            "optimizer": (self._optimizer_tensors(), True),
+            "params": (state["params"], True),
+            "grads": (state["grads"], False),
+            "optimizer": (state["optimizer"], True),
         })
         return OffloadReport(params_bytes=released["params"], grads_bytes=released["grads"],
                              optimizer_bytes=released["optimizer"], allocated_before=before,
@@ -310,8 +309,7 @@ class Actor:
         if self.model is not None:
             for _, m in self._fp8_linears():
                 m.fp8_cache.invalidate()
-            params = list(self.model.parameters())
-            release([*params, *(getattr(p, "main_grad", None) for p in params), *self._optimizer_tensors()])
+            release([t for tensors in self._state_tensors().values() for t in tensors])
         self.config.finalize_model_grads_func = self.config.grad_scale_func = self.config.no_sync_func = None
         self.model = self.gpt = self.optimizer = self.scheduler = None
         self._memory = DeviceMemory()
@@ -372,6 +370,13 @@ class Actor:
         if isinstance(self.optimizer, ChainedOptimizer):
             return list(self.optimizer.chained_optimizers)
         return [self.optimizer]
+
+    def _state_tensors(self) -> dict[str, list]:
+        """The actor's training state by kind: parameters, their gradients (``main_grad``, None
+        where there is none) and the optimizer's tensors; what ``offload`` and ``close`` free."""
+        params = list(self.model.parameters())
+        return {"params": params, "grads": [getattr(p, "main_grad", None) for p in params],
+                "optimizer": self._optimizer_tensors()}
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         tensors = []
