@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "copy_segments.h"
+#include "elementwise.h"
 #include "quantize.h"
 #include "rms_norm.h"
 #include "rope.h"
@@ -16,6 +17,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("srcs"), py::arg("dsts"), py::arg("table"));
   m.def("rms_norm", &jetrl::rms_norm, "batch-invariant RMSNorm, fixed reduction order (see rms_norm.h)",
         py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("add_rms_norm", &jetrl::add_rms_norm, "residual add + batch-invariant RMSNorm in one launch (CUDA)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul", &jetrl::silu_mul, "SiLU(gate) * up of the exact forward, torch's rounding (CUDA)", py::arg("x"));
+  m.def("static_fp8_quant", &jetrl::static_fp8_quant, "E4M3 codes of x / scale, one fp32 scale (CUDA)",
+        py::arg("x"), py::arg("scale"));
   m.def("rope", &jetrl::rope, "rotary embedding of the exact forward, megatron's rounding (see rope.h)",
         py::arg("x"), py::arg("positions"), py::arg("inv_freq"));
   m.def("with_cuda", &jetrl::with_cuda, "whether the CUDA kernels were compiled in");

@@ -103,6 +103,40 @@ void rms_norm_cpu(const RmsNormArgs& args, at::ScalarType dtype) {
 
 }  // namespace
 
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_inputs(x, weight, eps);
+  TORCH_CHECK(x.is_cuda(), "add_rms_norm: the fused kernel runs on CUDA; x is on ", x.device().str(),
+              " (ops.rms_norm.add_rms_norm adds, then norms, elsewhere)");
+  TORCH_CHECK(residual.defined() && residual.sizes() == x.sizes(), "add_rms_norm: residual must have x's shape ",
+              dims(x.sizes()), "; got ", residual.defined() ? dims(residual.sizes()) : std::string("undefined"));
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "add_rms_norm: residual must have x's dtype ",
+              x.scalar_type(), "; got ", residual.scalar_type());
+  TORCH_CHECK(residual.stride(1) == 1, "add_rms_norm: residual's last dim must be contiguous (stride 1); got strides ",
+              dims(residual.strides()));
+  TORCH_CHECK(residual.device() == x.device(), "add_rms_norm: residual is on ", residual.device().str(),
+              "; it must be on x's device ", x.device().str());
+  const int64_t R = x.size(0), H = x.size(1);
+  const auto options = x.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor y = at::empty({R, H}, options), total = at::empty({R, H}, options);
+  if (R == 0) return {y, total};
+#ifdef JETRL_WITH_CUDA
+  RmsNormArgs args;
+  args.x = x.data_ptr();
+  args.w = weight.data_ptr();
+  args.y = y.data_ptr();
+  args.residual = residual.data_ptr();
+  args.total = total.data_ptr();
+  args.R = R;
+  args.H = H;
+  args.x_stride = x.stride(0);
+  args.r_stride = residual.stride(0);
+  args.eps = static_cast<float>(eps);
+  rms_norm_cuda(args, x.scalar_type(), x);
+#endif
+  return {y, total};
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_inputs(x, weight, eps);
   const int64_t R = x.size(0), H = x.size(1);

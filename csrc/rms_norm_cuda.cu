@@ -9,6 +9,8 @@
 // - lane 0 computes inv = 1 / sqrt(sum / H + eps) with correctly rounded division and sqrt (not
 //   rsqrtf) and shares it through shared memory;
 // - y = dtype(float(dtype(x * inv)) * w), both products rounded to fp32 first.
+// With a residual (add_rms_norm) the lanes first form total = dtype(float(x) + float(residual)) (torch's
+// add of two tensors of that dtype), store it, and norm it: one launch for the add and the norm.
 // Nothing depends on blockIdx beyond the row's address, so a row gets the same bits alone or among
 // thousands. Memory-bound; the second pass over the row mostly hits L1/L2. No host syncs and no
 // allocations besides the output: capturable in a CUDA graph.
@@ -25,10 +27,24 @@ namespace {
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarp = 32;
 
-template <typename T>
+// The value the norm reads at column c: x's, or with a residual the rounded sum, stored to total.
+template <typename T, bool kAdd>
+__device__ __forceinline__ float input_at(const T* __restrict__ xr, const T* __restrict__ rr, T* __restrict__ sr,
+                                          int64_t c) {
+  using C = Round<T>;
+  if constexpr (kAdd) {
+    const T sum = C::from_float(__fadd_rn(C::to_float(xr[c]), C::to_float(rr[c])));
+    sr[c] = sum;
+    return C::to_float(sum);
+  } else {
+    return C::to_float(xr[c]);
+  }
+}
+
+template <typename T, bool kAdd>
 __global__ void __launch_bounds__(kNormLanes)
-    rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int64_t H, int64_t x_stride,
-                    float eps) {
+    rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, const T* __restrict__ residual,
+                    T* __restrict__ total, int64_t H, int64_t x_stride, int64_t r_stride, float eps) {
   using C = Round<T>;
   __shared__ float lanes[kNormLanes];
   __shared__ float inv_shared;
@@ -36,12 +52,14 @@ __global__ void __launch_bounds__(kNormLanes)
   const int t = threadIdx.x;
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
+  const T* rr = kAdd ? residual + row * r_stride : nullptr;
+  T* sr = kAdd ? total + row * H : nullptr;
   T* yr = y + row * H;
 
-  float v = C::to_float(xr[t]);
+  float v = input_at<T, kAdd>(xr, rr, sr, t);
   float acc = __fmul_rn(v, v);
   for (int64_t c = t + kNormLanes; c < H; c += kNormLanes) {
-    v = C::to_float(xr[c]);
+    v = input_at<T, kAdd>(xr, rr, sr, c);
     acc = __fadd_rn(acc, __fmul_rn(v, v));
   }
 
@@ -61,16 +79,26 @@ __global__ void __launch_bounds__(kNormLanes)
   __syncthreads();
   const float inv = inv_shared;
 
+  const T* in = kAdd ? sr : xr;  // this lane's own stores: visible to it without a barrier
   for (int64_t c = t; c < H; c += kNormLanes) {
-    const T normed = C::from_float(__fmul_rn(C::to_float(xr[c]), inv));
+    const T normed = C::from_float(__fmul_rn(C::to_float(in[c]), inv));
     yr[c] = C::from_float(__fmul_rn(C::to_float(normed), C::to_float(w[c])));
   }
 }
 
 template <typename T>
 void launch_typed(const RmsNormArgs& a, cudaStream_t stream) {
-  rms_norm_kernel<T><<<static_cast<unsigned>(a.R), kNormLanes, 0, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<T*>(a.y), a.H, a.x_stride, a.eps);
+  const auto blocks = static_cast<unsigned>(a.R);
+  const auto* x = static_cast<const T*>(a.x);
+  const auto* w = static_cast<const T*>(a.w);
+  auto* y = static_cast<T*>(a.y);
+  if (a.residual != nullptr) {
+    rms_norm_kernel<T, true><<<blocks, kNormLanes, 0, stream>>>(x, w, y, static_cast<const T*>(a.residual),
+                                                                static_cast<T*>(a.total), a.H, a.x_stride,
+                                                                a.r_stride, a.eps);
+  } else {
+    rms_norm_kernel<T, false><<<blocks, kNormLanes, 0, stream>>>(x, w, y, nullptr, nullptr, a.H, a.x_stride, 0, a.eps);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

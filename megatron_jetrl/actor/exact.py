@@ -18,7 +18,7 @@ ordinary gradient (the backward never has to match anything):
 - ``exact_rope``: forward with ``ops.exact.rope`` (the kernel vLLM's rotary embedding runs),
   backward through its eager reference recomputed from the saved input.
 - SiLU·mul, the residual adds and the embedding need nothing here: megatron computes them with the
-  same eager ops as ``ops.exact.silu_mul``, and vLLM runs that definition.
+  same eager ops as ``ops.exact.silu_mul_reference``, which vLLM's kernel (``ops.exact.silu_mul``) equals.
 """
 
 from __future__ import annotations

@@ -7,13 +7,14 @@ Two kinds, one list (``EXACT_OPS``):
 - **defined here** and run by vLLM through out-of-tree custom ops (``rollout/vllm_exact.py``) and by
   the trainer's layers (``actor/exact.py``):
   ``rms_norm`` (``ops/rms_norm.py``: a kernel with a fixed reduction order; the residual add before it is a
-  plain BF16 add on both sides), ``silu_mul`` (``silu(gate) * up`` as eager torch ops, megatron's
-  SwiGLU rounding), ``rope`` (megatron's rotary formula and frequencies, computed from each
-  token's position; one kernel, ``csrc/rope_cuda.cu``, beside its eager reference
-  ``rope_reference``) and ``static_fp8_quant`` (with an FP8 KV cache: the query's quantization by
-  its per-layer scale, eager torch ops). Each is a ``torch.library`` custom op (``jetrl::...``),
-  opaque to torch.compile, so vLLM's compiled graph cannot fuse it into something that rounds
-  differently.
+  plain BF16 add on both sides, in vLLM done by the norm's kernel: ``add_rms_norm``), ``silu_mul``
+  (``silu(gate) * up`` with megatron's SwiGLU rounding), ``rope`` (megatron's rotary formula and
+  frequencies, computed from each token's position) and ``static_fp8_quant`` (with an FP8 KV cache:
+  the query's quantization by its per-layer scale). Each of the last three is one CUDA kernel
+  (``csrc/rope_cuda.cu``, ``csrc/elementwise_cuda.cu``) beside its eager torch reference
+  (``*_reference``), which megatron's own eager ops equal; the GPU tests compare them bit for bit.
+  Each op is a ``torch.library`` custom op (``jetrl::...``), opaque to torch.compile, so vLLM's
+  compiled graph cannot fuse it into something that rounds differently.
 - **vLLM's own batch-invariant kernels** (what its layers call with ``VLLM_BATCH_INVARIANT=1``),
   which the trainer's forward calls too (``VllmKernels``): the BF16 GEMM (the LM head, and the
   linears of BF16 layers: vLLM's Triton persistent matmul, fixed tiles), the block-FP8 GEMM
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.ops.extension import load_extension
-from megatron_jetrl.ops.rms_norm import rms_norm
+from megatron_jetrl.ops.rms_norm import add_rms_norm, rms_norm
 from megatron_jetrl.precision import E4M3_MAX, Fp8Tensor
 
 EXACT_OPS = ("embedding", "rms_norm", "residual_add", "qk_norm", "rope", "kv_quant", "attention", "silu_mul",
@@ -79,17 +80,36 @@ def fp8_kv_query_chunk(q_heads: int, kv_heads: int) -> int:
 
 # ---------------------------------------------------------------- defined here (both homes)
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``x = [gate | up]`` (last dim), each op rounded to x's dtype: the
     value megatron's SwiGLU computes (``F.silu(x_glu) * x_linear``, eager)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu_mul_reference``'s values; on CUDA in one kernel (csrc/elementwise_cuda.cu: torch's silu
+    and mul roundings, the same expf; equal bit for bit, tested), else the reference. A new
+    contiguous [..., I] for x [..., 2I]."""
+    if not x.is_cuda:
+        return silu_mul_reference(x)
+    y_RI = load_extension().silu_mul(x.reshape(-1, x.shape[-1]))
+    return y_RI.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def static_fp8_quant_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """E4M3 codes of ``x`` with one fp32 scale (an FP8 KV cache's query quantization): ``x / scale``
     in fp32, clamped to ±448, rounded to nearest even; eager torch ops (an IEEE division), any shape."""
     return (x.float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``static_fp8_quant_reference``'s codes; on CUDA in one kernel (csrc/elementwise_cuda.cu: the
+    division, torch's clamp and torch's own e4m3 conversion; equal bit for bit, tested) instead of
+    four eager ones, else the reference."""
+    if not x.is_cuda:
+        return static_fp8_quant_reference(x, scale)
+    return load_extension().static_fp8_quant(x.contiguous(), scale.float().reshape(-1))
 
 
 def rope_inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
@@ -140,8 +160,7 @@ def custom_ops() -> Any:
     @torch.library.custom_op("jetrl::add_rms_norm", mutates_args=())
     def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        total = x + residual
-        return rms_norm(total, weight, eps), total
+        return add_rms_norm(x, residual, weight, eps)
 
     @_add_rms_norm.register_fake
     def _(x, residual, weight, eps):

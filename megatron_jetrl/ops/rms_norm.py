@@ -45,6 +45,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y_RH.view(x.shape)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``, the sum a plain add of x's dtype (torch's, one
+    rounding). On CUDA one launch (the kernel stores the sum, then norms it); elsewhere the add, then
+    ``rms_norm``. x and residual of one shape [..., H] and dtype."""
+    H = _hidden_size(x)
+    if x.shape != residual.shape:
+        raise ValueError(f"add_rms_norm: residual must have x's shape {tuple(x.shape)}; got {tuple(residual.shape)}")
+    if not x.is_cuda:
+        total = x + residual
+        return rms_norm(total, weight, eps), total
+    y_RH, total_RH = load_extension().add_rms_norm(x.reshape(-1, H), residual.reshape(-1, H), weight, float(eps))
+    return y_RH.view(x.shape), total_RH.view(x.shape)
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The documented arithmetic in eager torch, on any device: equal bit for bit to ``rms_norm``.
 
@@ -82,4 +97,4 @@ def _hidden_size(x: torch.Tensor) -> int:
     return H
 
 
-__all__ = ["LANES", "rms_norm", "rms_norm_reference"]
+__all__ = ["LANES", "add_rms_norm", "rms_norm", "rms_norm_reference"]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_jetrl.ops import cuda_kernels_available, load_extension
-from megatron_jetrl.ops.rms_norm import rms_norm, rms_norm_reference
+from megatron_jetrl.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
 from tests.unit.test_rms_norm_kernel import DTYPES, assert_same_bits, weight_for, wide_range
 
 pytestmark = pytest.mark.gpu
@@ -143,3 +143,36 @@ def test_empty_input():
 def test_bad_input_is_rejected_with_a_clear_error(make, message):
     with pytest.raises(RuntimeError, match=message):
         load_extension().rms_norm(*make())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", HIDDEN)
+def test_add_rms_norm_equals_the_add_then_the_norm(dtype, H):
+    """The fused residual add: its sum is torch's add of the two tensors, its norm the kernel's norm of
+    that sum, bit for bit; residual rows of another stride (a column slice), as vLLM may pass them."""
+    x = wide_range((ROWS, H), dtype, seed=H + 30).cuda()
+    wide = wide_range((ROWS, 2 * H), dtype, seed=H + 31).cuda()
+    residual = wide[:, H:]
+    w = weight_for(H, dtype, H + 32).cuda()
+    y, total = add_rms_norm(x, residual, w, 1e-6)
+    want_total = x + residual
+    assert_same_bits(total, want_total, f"{dtype} H={H} sum")
+    assert_same_bits(y, rms_norm(want_total, w, 1e-6), f"{dtype} H={H} norm")
+    for i in (0, 77, ROWS - 1):  # a row alone: the same bits
+        y1, t1 = add_rms_norm(x[i : i + 1], residual[i : i + 1], w, 1e-6)
+        assert_same_bits(y1, y[i : i + 1], f"row {i} alone")
+        assert_same_bits(t1, total[i : i + 1], f"row {i} alone, sum")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_with_zero_and_nonfinite_values(dtype):
+    x = wide_range((64, 4096), dtype, seed=40)
+    r = wide_range((64, 4096), dtype, seed=41)
+    x[1], r[1] = 0.0, -0.0
+    x[3, 17] = float("nan")
+    x[4, 4000], r[4, 4000] = float("inf"), float("-inf")
+    x[5], r[5] = torch.finfo(dtype).max, torch.finfo(dtype).max
+    w = weight_for(4096, dtype, 42)
+    y, total = add_rms_norm(x.cuda(), r.cuda(), w.cuda(), 1e-6)
+    assert_same_bits(total, (x.cuda() + r.cuda()), f"{dtype} sum")
+    assert_same_bits(y, rms_norm(x.cuda() + r.cuda(), w.cuda(), 1e-6), f"{dtype} norm")

@@ -1,0 +1,42 @@
+// The exact forward's elementwise ops as single CUDA kernels: SiLU·mul (megatron's SwiGLU rounding)
+// and the static FP8 quantization of an FP8 KV cache's query. Each computes, element by element, the
+// value of the eager torch ops it replaces (megatron_jetrl/ops/exact.py: silu_mul_reference,
+// static_fp8_quant_reference), so kernel and reference agree bit for bit; one launch instead of
+// two (SiLU·mul) or four (the quantization). Validated in elementwise.cpp; CUDA only (elsewhere
+// ops.exact computes the references).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace jetrl {
+
+// One launch of silu_mul: y [R, I] (contiguous) = silu(x[:, :I]) * x[:, I:], x [R, 2I] with row
+// stride x_stride and its last dim contiguous.
+struct SiluMulArgs {
+  const void* x = nullptr;
+  void* y = nullptr;
+  int64_t R = 0, I = 0, x_stride = 0;
+};
+
+// One launch of static_fp8_quant: y [N] e4m3 = e4m3(clamp(float(x) / *scale, -448, 448)), x [N]
+// contiguous, scale one fp32 on the device (read by the kernel: no host sync).
+struct StaticQuantArgs {
+  const void* x = nullptr;
+  const float* scale = nullptr;
+  void* y = nullptr;
+  int64_t N = 0;
+};
+
+#ifdef JETRL_WITH_CUDA
+void silu_mul_cuda(const SiluMulArgs& args, at::ScalarType dtype, const at::Tensor& x);
+void static_fp8_quant_cuda(const StaticQuantArgs& args, at::ScalarType dtype, const at::Tensor& x);
+#endif
+
+// x [R, 2I] bf16/fp16/fp32 on CUDA, last dim contiguous -> new contiguous [R, I].
+at::Tensor silu_mul(const at::Tensor& x);
+
+// x bf16/fp16/fp32 on CUDA, contiguous, any shape; scale fp32 with one element on x's device -> new
+// float8_e4m3fn tensor of x's shape.
+at::Tensor static_fp8_quant(const at::Tensor& x, const at::Tensor& scale);
+
+}  // namespace jetrl

@@ -1,0 +1,125 @@
+// The exact forward's elementwise kernels on CUDA. Each reproduces, element by element, the eager
+// torch ops it replaces (megatron_jetrl/ops/exact.py), with the same roundings:
+// - silu_mul: s = dtype(g / (1 + expf(-g))) with g = float(gate): torch's silu kernel (fp32 opmath,
+//   the CUDA math library's expf, an IEEE division), rounded to x's dtype as its output is; then
+//   y = dtype(float(s) * float(up)): torch's mul of two tensors of that dtype;
+// - static_fp8_quant: v = float(x) / scale (an IEEE division, tensor by tensor), clamped to ±448 with
+//   NaN passed through (torch's clamp), then torch's own float -> e4m3 conversion
+//   (c10::Float8_e4m3fn, the header torch's `.to(torch.float8_e4m3fn)` runs).
+// __fdiv_rn / __fadd_rn / __fmul_rn keep every operation one IEEE rounding (no FMA contraction).
+// Each thread handles VEC consecutive elements (16-byte loads where the layout allows, else one);
+// nothing depends on other rows or on the grid, so an element gets the same bits in any batch. No host
+// syncs and no allocations besides the output: capturable in a CUDA graph.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <cstdint>
+
+#include "cuda_dtypes.cuh"
+#include "elementwise.h"
+
+namespace jetrl {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+template <typename T>
+__device__ __forceinline__ float silu_rounded(float g) {
+  return rounded<T>(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    silu_mul_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t R, int64_t I, int64_t x_stride) {
+  const int64_t packs = I / VEC;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= R * packs) return;
+  const int64_t row = i / packs, col = (i % packs) * VEC;
+  const T* xr = x + row * x_stride;
+  const Pack<T, VEC> gate = *reinterpret_cast<const Pack<T, VEC>*>(xr + col);
+  const Pack<T, VEC> up = *reinterpret_cast<const Pack<T, VEC>*>(xr + I + col);
+  Pack<T, VEC> out;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const float s = silu_rounded<T>(Round<T>::to_float(gate.v[e]));
+    out.v[e] = Round<T>::from_float(__fmul_rn(s, Round<T>::to_float(up.v[e])));
+  }
+  *reinterpret_cast<Pack<T, VEC>*>(y + row * I + col) = out;
+}
+
+__device__ __forceinline__ uint8_t e4m3_code(float v, float scale) {
+  float q = __fdiv_rn(v, scale);
+  if (!isnan(q)) q = fminf(fmaxf(q, -448.0f), 448.0f);
+  return c10::Float8_e4m3fn(q).x;
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    static_fp8_quant_kernel(const T* __restrict__ x, const float* __restrict__ scale, uint8_t* __restrict__ y,
+                            int64_t N) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
+  if (i >= N) return;
+  const float s = *scale;
+  const Pack<T, VEC> in = *reinterpret_cast<const Pack<T, VEC>*>(x + i);
+  Pack<uint8_t, VEC> out;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) out.v[e] = e4m3_code(Round<T>::to_float(in.v[e]), s);
+  *reinterpret_cast<Pack<uint8_t, VEC>*>(y + i) = out;
+}
+
+// Elements per thread: 16 bytes of T where every access stays aligned, else 1.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+
+bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+unsigned blocks_for(int64_t threads) { return static_cast<unsigned>((threads + kThreads - 1) / kThreads); }
+
+template <typename T>
+void launch_silu_mul(const SiluMulArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec<T>;
+  const auto* x = static_cast<const T*>(a.x);
+  auto* y = static_cast<T*>(a.y);
+  if (a.I % V == 0 && a.x_stride % V == 0 && aligned(x, 16) && aligned(y, 16)) {
+    silu_mul_kernel<T, V><<<blocks_for(a.R * (a.I / V)), kThreads, 0, stream>>>(x, y, a.R, a.I, a.x_stride);
+  } else {
+    silu_mul_kernel<T, 1><<<blocks_for(a.R * a.I), kThreads, 0, stream>>>(x, y, a.R, a.I, a.x_stride);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_static_fp8_quant(const StaticQuantArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec<T>;
+  const auto* x = static_cast<const T*>(a.x);
+  auto* y = static_cast<uint8_t*>(a.y);
+  if (a.N % V == 0 && aligned(x, 16) && aligned(y, V)) {
+    static_fp8_quant_kernel<T, V><<<blocks_for(a.N / V), kThreads, 0, stream>>>(x, a.scale, y, a.N);
+  } else {
+    static_fp8_quant_kernel<T, 1><<<blocks_for(a.N), kThreads, 0, stream>>>(x, a.scale, y, a.N);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void silu_mul_cuda(const SiluMulArgs& args, at::ScalarType dtype, const at::Tensor& x) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  by_dtype(dtype, "silu_mul", [&](auto t) { launch_silu_mul<decltype(t)>(args, stream); });
+}
+
+void static_fp8_quant_cuda(const StaticQuantArgs& args, at::ScalarType dtype, const at::Tensor& x) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  by_dtype(dtype, "static_fp8_quant", [&](auto t) { launch_static_fp8_quant<decltype(t)>(args, stream); });
+}
+
+}  // namespace jetrl
