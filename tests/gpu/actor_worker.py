@@ -343,6 +343,7 @@ class Scenarios:
         m1 = actor.update(batch, ppo_clip_loss_with_old(actor, batch))
         next_lp = actor.compute_logprobs(batch).logprobs
         actor.close()
+        baseline = torch.cuda.memory_allocated()  # what this worker's own tensors hold, the actor aside
         actor = self.actor(arch, mode="fp8", lr=3e-4)
         extra = actor.load(ckpt)
         reloaded = actor.compute_logprobs(batch).logprobs
@@ -356,7 +357,8 @@ class Scenarios:
         lingering = list(actor.model.parameters())  # a reference that outlives the actor (a hook, a closure)
         open_alloc = torch.cuda.memory_allocated()
         actor.close()
-        self.record("close", {"allocated_open": open_alloc, "allocated_closed": torch.cuda.memory_allocated(),
+        self.record("close", {"allocated_open": open_alloc - baseline,
+                              "allocated_closed": torch.cuda.memory_allocated() - baseline,
                               "lingering_bytes": sum(p.untyped_storage().nbytes() for p in lingering)})
 
     def bad_input(self):
