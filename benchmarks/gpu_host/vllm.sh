@@ -15,8 +15,11 @@
 # memory on an H200 at 16 layers beside vLLM at 0.3 of the GPU).
 # --decode-args "ARGS": more bench_vllm.py decode arguments, e.g. "--repeats 5 --profile-batch 128".
 # --tests names: engine (one-GPU vLLM tests), engine-mismatch (only the logprob-mismatch and FP8-KV
-# ones), engine-rest (the others), engine-two (two GPUs), rl (the RL loop on vLLM; rl-exact: its
-# exact-mode runs only), exact (the exact rollout's one-GPU tests; exact-tiny / exact-8b: at the tiny
+# ones), engine-rest (the others), engine-deep-gemm (vLLM's DeepGEMM block-FP8 GEMM: byte identity,
+# and the mismatch against CUTLASS's, so engine_fp8's launch too; the three before leave these out
+# and keep their length), engine-two (two GPUs), rl (the RL loop on vLLM; rl-exact: its
+# exact-mode runs only; rl-exact-kv: those with an FP8 KV cache), actor-close (the actor's close
+# frees its memory), exact (the exact rollout's one-GPU tests; exact-tiny / exact-8b: at the tiny
 # model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs; exact-kv: with an FP8 KV cache),
 # or a test file.
 # --ablation "ARGS": benchmarks/exact_ablation.py all ARGS (e.g. "--models tiny,8b6 --runs exact:fp8"),
@@ -87,12 +90,15 @@ fi
 rc=0
 for t in $tests; do
   case "$t" in
-    engine) f=tests/gpu/test_vllm_engine.py; k="not two_gpus" ;;
-    engine-mismatch) f=tests/gpu/test_vllm_engine.py; k="logprobs_match or kv_cache_takes" ;;
-    engine-rest) f=tests/gpu/test_vllm_engine.py; k="not two_gpus and not logprobs_match and not kv_cache_takes" ;;
+    engine) f=tests/gpu/test_vllm_engine.py; k="not two_gpus and not deep_gemm" ;;
+    engine-mismatch) f=tests/gpu/test_vllm_engine.py; k="(logprobs_match or kv_cache_takes) and not deep_gemm" ;;
+    engine-rest) f=tests/gpu/test_vllm_engine.py; k="not two_gpus and not logprobs_match and not kv_cache_takes and not deep_gemm" ;;
+    engine-deep-gemm) f=tests/gpu/test_vllm_engine.py; k="deep_gemm" ;;
     engine-two) f=tests/gpu/test_vllm_engine.py; k="two_gpus" ;;
     rl) f=tests/gpu/test_rl_loop.py; k="vllm" ;;
     rl-exact) f=tests/gpu/test_rl_loop.py; k="fp8-exact or fp8kv-exact or vllm-exact" ;;
+    rl-exact-kv) f=tests/gpu/test_rl_loop.py; k="fp8kv-exact or vllm-exact-kv" ;;
+    actor-close) f=tests/gpu/test_actor.py; k="close_frees" ;;
     exact) f=tests/gpu/test_exact.py; k="not equal_tp_2" ;;
     exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths and not equal_tp_2" ;;
     exact-8b) f=tests/gpu/test_exact.py; k="8b_widths" ;;

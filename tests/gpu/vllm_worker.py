@@ -16,6 +16,9 @@ is one launch:
 - engine_fp8_te: the te backend's FP8 bytes (Transformer Engine's linears) into vLLM, in place and
   through update_weights, before and after a step (tests/gpu/test_te_backend.py).
 In both, every live tensor (norms and embeddings too) also hashes equal to what the sync shipped.
+- engine_fp8_deep_gemm: engine_fp8's byte identity (in place and through update_weights, before
+  and after optimizer steps) and mismatch (compiled, CUDA graphs) with vLLM's DeepGEMM block-FP8
+  GEMM (``fp8_gemm=deep_gemm``; the launcher set VLLM_USE_DEEP_GEMM=1) in place of CUTLASS.
 - tp2_to_vllm_tp2 / tp2_to_vllm_tp2_reload / tp2_to_vllm_tp1 (2 GPUs): trainer TP=2 into vLLM at
   rollout TP 2 (in place, update_weights, and vLLM's loaders fed presharded tensors) and at
   rollout TP 1, trainer and engine NCCL groups in the same processes: the byte identity on both
@@ -29,6 +32,7 @@ In both, every live tensor (norms and embeddings too) also hashes equal to what 
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 import time
@@ -48,6 +52,10 @@ from tests.gpu.sync_worker import ARCH, Recorder, engine_vs_trainer, sha, traine
 from tests.gpu.sync_worker import Scenarios as SyncScenarios  # noqa: E402
 
 PROMPT_LENS = (16, 40, 7, 64)
+ENGINE_FP8_OPTIONS = VllmOptions(gpu_memory_utilization=0.25, max_model_len=512, max_num_seqs=64,
+                                 cuda_graph_max_batch=64)
+"""engine_fp8's engine (and engine_fp8_deep_gemm's, but for the GEMM): CUDA graphs and torch.compile,
+as in production."""
 
 
 def live_hashes(engine: VllmEngine) -> tuple[dict[str, str], dict[str, tuple[int, int]]]:
@@ -153,12 +161,25 @@ class Scenarios(SyncScenarios):
                 "first_shipped_diff": next((k for k in shipped_hashes if got.get(k) != shipped_hashes[k]), None),
                 "sync_s": report.total_s}
 
+    def _sync_across_steps(self, actor, engine, sync, first: dict) -> dict:
+        """After ``first`` (the identity of an in-place sync): an optimizer step and the sync in place,
+        another step and the sync through update_weights. The three identities (less their hashes)
+        and how many FP8 tensors the first step changed."""
+        vocab = actor.bridge.dims.vocab_size
+        actor.update(make_batch(vocab, seed=7), cross_entropy_loss)
+        second = self._identity(actor, engine, sync, in_place=True)
+        actor.update(make_batch(vocab, seed=8), cross_entropy_loss)
+        third = self._identity(actor, engine, sync, in_place=False)
+        r = {key: {k: v for k, v in ident.items() if k != "hashes"}
+             for key, ident in (("identity_first", first), ("identity_after_step", second),
+                                ("identity_update_weights", third))}
+        r["changed_after_step"] = sum(first["hashes"][k] != second["hashes"][k] for k in first["hashes"])
+        return r
+
     # ---------------------------------------------------------------- scenarios
 
     def engine_fp8(self):
-        options = VllmOptions(gpu_memory_utilization=0.25, max_model_len=512, max_num_seqs=64,
-                              cuda_graph_max_batch=64)
-        actor, engine, sync = self._setup("fp8", options)
+        actor, engine, sync = self._setup("fp8", ENGINE_FP8_OPTIONS)
         vocab = actor.bridge.dims.vocab_size
         prompts = self._prompts(vocab)
         r = {}
@@ -210,20 +231,26 @@ class Scenarios(SyncScenarios):
             r["refuses_after_discard"] = "never loaded" in str(e)
         engine.sleep()
 
-        # an optimizer step, then the sync again (in place), and through update_weights
-        actor.update(make_batch(vocab, seed=7), cross_entropy_loss)
-        second = self._identity(actor, engine, sync, in_place=True)
-        actor.update(make_batch(vocab, seed=8), cross_entropy_loss)
-        third = self._identity(actor, engine, sync, in_place=False)
+        r.update(self._sync_across_steps(actor, engine, sync, first))
         engine.wake()
         after = engine.generate(prompts, seeded)
-        r["changed_after_step"] = sum(first["hashes"][k] != second["hashes"][k] for k in first["hashes"])
         r["generate_after_update_differs"] = toks(after) != toks(a)
         r["mismatch_after"], _ = self._mismatch(actor, engine)
-        for key, ident in (("identity_first", first), ("identity_after_step", second),
-                           ("identity_update_weights", third)):
-            r[key] = {k: v for k, v in ident.items() if k != "hashes"}
         self.record("engine_fp8", r)
+        engine.close()
+        actor.close()
+
+    def engine_fp8_deep_gemm(self):
+        """engine_fp8's two promises with vLLM's DeepGEMM block-FP8 GEMM: its live FP8 weights and
+        scales are the trainer's FProp bytes after every sync, and the engine-vs-trainer mismatch."""
+        options = dataclasses.replace(ENGINE_FP8_OPTIONS, fp8_gemm="deep_gemm")
+        actor, engine, sync = self._setup("fp8", options)
+        engine.sleep()
+        first = self._identity(actor, engine, sync, in_place=True)
+        before, _ = self._mismatch(actor, engine)
+        r = {**self._sync_across_steps(actor, engine, sync, first), "mismatch_before": before}
+        r["mismatch_after"], _ = self._mismatch(actor, engine)
+        self.record("engine_fp8_deep_gemm", r)
         engine.close()
         actor.close()
 
