@@ -71,6 +71,13 @@ def test_vllm_computes_with_the_trainers_fp8_bytes(fp8):
     assert fp8["identity_update_weights"]["in_place"] == 0
 
 
+def test_deep_gemm_runs_every_fp8_linear(deep_gemm):
+    """vLLM chose DeepGEMM for every FP8 linear (it falls back to CUTLASS, silently, where a shape
+    does not suit DeepGEMM): otherwise the two tests below would test CUTLASS again."""
+    kernels = deep_gemm["linear_kernels"]
+    assert kernels and all("DeepGemm" in name for name in kernels), kernels
+
+
 def test_deep_gemm_computes_with_the_trainers_fp8_bytes(deep_gemm):
     for key in ("identity_first", "identity_after_step", "identity_update_weights"):
         _identical(deep_gemm[key])

@@ -105,6 +105,21 @@ def kv_scales_held(engine: VllmEngine) -> list[list[float]]:
     return engine._on_worker(read)
 
 
+def linear_kernels(engine: VllmEngine) -> dict[str, int]:
+    """How many of vLLM's FP8 linears run each block-FP8 GEMM kernel class (vLLM picks one per layer
+    at build time and may fall back from DeepGEMM to CUTLASS where a shape does not suit it)."""
+
+    def read(worker):
+        counts: dict[str, int] = {}
+        for module in worker.get_model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+            if kernel is not None:
+                counts[type(kernel).__name__] = counts.get(type(kernel).__name__, 0) + 1
+        return counts
+
+    return engine._on_worker(read)
+
+
 def used_gib() -> float:
     free, total = torch.cuda.mem_get_info()
     return (total - free) / 2**30
@@ -250,6 +265,7 @@ class Scenarios(SyncScenarios):
         before, _ = self._mismatch(actor, engine)
         r = {**self._sync_across_steps(actor, engine, sync, first), "mismatch_before": before}
         r["mismatch_after"], _ = self._mismatch(actor, engine)
+        r["linear_kernels"] = linear_kernels(engine)
         self.record("engine_fp8_deep_gemm", r)
         engine.close()
         actor.close()
