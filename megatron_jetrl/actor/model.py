@@ -73,12 +73,15 @@ def check_fp8_device(settings: ActorSettings, device: torch.device) -> None:
 
 
 def check_te_backend(settings: ActorSettings, num_layers: int) -> dict:
-    """TransformerConfig kwargs of the te backend, after checking TE is importable and was (or will
-    be) imported with the recipe's environment."""
+    """TransformerConfig kwargs of the te backend, after checking TE is importable and, when it
+    trains in FP8, was (or will be) imported with the recipe's environment. BF16 and FP16 modes get
+    TE's layers with no FP8 kwargs."""
     if importlib.util.find_spec("transformer_engine") is None:
         raise ConfigError("actor.fp8_backend", "te",
                           "Transformer Engine is not installed; install it or use fp8_backend='native'")
     te = settings.precision.te_settings(num_layers)
+    if te is None:  # not training in FP8: TE's layers in the compute dtype
+        return {}
     for name, value in te.env.items():
         if os.environ.get(name) != value:
             state = "was already imported" if "transformer_engine" in sys.modules else "will be imported"
@@ -102,7 +105,7 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
     )
     if settings.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if recipe.train_fp8 and settings.fp8_backend == "te":
+    if settings.fp8_backend == "te":
         kwargs.update(check_te_backend(settings, bridge.dims.num_layers))
     config = TransformerConfig(**kwargs)
     setattr(config, EXACT_ATTR, float(bridge.dims.rope_theta) if recipe.exact else None)  # RoPE reads it
@@ -110,9 +113,10 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
 
 
 def layer_spec(bridge: ModelBridge, settings: ActorSettings, config: TransformerConfig):
-    """The TE layer spec (te backend), or this stage's decoder block of local layers with the
-    project's norm, attention and (fp8) linears."""
-    if settings.fp8_backend == "te" and settings.precision.train_fp8:
+    """The TE layer spec (te backend, in every precision mode: TE's linears, fused norms and
+    attention, so that its FP8 and BF16 steps differ only in the GEMMs), or this stage's decoder
+    block of local layers with the project's norm, attention and (fp8) linears."""
+    if settings.fp8_backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bridge.dims.qk_norm)

@@ -65,19 +65,20 @@ class OptimizerSettings:
 class ActorSettings:
     """The trainer: parallel layout, precision, micro-batching and the optimizer.
 
-    ``fp8_backend`` picks who runs the FP8 GEMMs in the ``fp8`` mode: ``native`` (this project's
-    kernels + torch's blockwise ``scaled_mm``, Hopper) or ``te`` (Transformer Engine
-    ``Float8BlockScaling``). ``fp8_gemm`` forces the native GEMM path (``emulate`` runs anywhere,
-    exactly, slowly: for tests). ``max_tokens_per_microbatch`` is the packing budget; a longer
+    ``fp8_backend`` picks the decoder layers: ``native`` (this project's: its norms, packed attention
+    and, in the ``fp8`` mode, FP8 linears on its kernels + torch's blockwise ``scaled_mm``, Hopper) or
+    ``te`` (Transformer Engine's layers in every mode: fused norm + linear, cuDNN attention, and in the
+    ``fp8`` mode ``Float8BlockScaling``). ``fp8_gemm`` forces the native GEMM path (``emulate`` runs
+    anywhere, exactly, slowly: for tests). ``max_tokens_per_microbatch`` is the packing budget; a longer
     sequence runs alone. ``max_seq_len`` defaults to the model's ``max_position_embeddings``.
-    ``recompute``: ``full`` keeps only each layer's input through the forward pass and recomputes
-    the layer in the backward pass (megatron's full uniform recompute, one layer per checkpoint):
-    about a third more update time for activations that no longer grow with depth, what 8K-16K
-    responses need; ``none`` keeps everything. ``logprob_impl``: how the per-token logprob and
-    entropy over the vocabulary are computed (``actor/logprobs.py``): ``compiled`` (default; the
-    same formulas fused by torch.compile: a few reads of the logits instead of ~40 fp32 passes per
-    micro-batch; 10-12 % off the 8B-shaped actor step on an H200) or ``eager`` torch ops (no
-    compilation; the reference the compiled form is tested against).
+    ``recompute``: ``full`` keeps only each layer's input through the forward pass and recomputes the
+    layer in the backward pass (megatron's full uniform recompute, one layer per checkpoint): about a
+    third more update time for activations that no longer grow with depth, what 8K-16K responses need;
+    ``none`` keeps everything. ``logprob_impl``: how the per-token logprob and entropy over the
+    vocabulary are computed (``actor/logprobs.py``): ``compiled`` (default; the same formulas fused by
+    torch.compile: a few reads of the logits instead of ~40 fp32 passes per micro-batch; 10-12 % off the
+    8B-shaped actor step on an H200) or ``eager`` torch ops (no compilation; the reference the compiled
+    form is tested against).
     """
 
     parallel: ParallelLayout = field(default_factory=ParallelLayout)

@@ -263,7 +263,7 @@ def load_job(path: str | Path | None, overrides: Sequence[str] = (), *, raw: Map
 
 def _check_together(job: JobConfig) -> None:
     """Rules across sections (each section validated itself already)."""
-    if job.actor.fp8_backend == "te" and job.precision.train_fp8 and job.rollout.fp8_kv_cache:
+    if job.actor.fp8_backend == "te" and job.rollout.fp8_kv_cache:
         # the per-step q/k/v scales come from the local layer spec's attention (actor.py: _kv_observed)
         raise ConfigError("actor.fp8_backend", "te",
                           "cannot calibrate an FP8 KV cache (its per-step q/k/v scales come from the native "
@@ -293,7 +293,7 @@ def _check_exact(job: JobConfig) -> None:
         ("rollout.engine", job.rollout.engine, engine_kind(job.rollout).exact,
          "the exact forward is vLLM's batch-invariant mode plus the trainer's kernels: set rollout.engine="
          + " or ".join(name for name, kind in ENGINES.items() if kind.exact)),
-        ("actor.fp8_backend", job.actor.fp8_backend, job.actor.fp8_backend == "native" or not job.precision.train_fp8,
+        ("actor.fp8_backend", job.actor.fp8_backend, job.actor.fp8_backend == "native",
          "Transformer Engine's layers compute with TE's kernels, not the engine's: set actor.fp8_backend=native"),
         ("actor.parallel.tp", par.tp, par.tp <= EXACT_MAX_TP,
          f"the exact rollout runs at TP 1 or 2 (the TP all-reduce of two partial sums is one addition, the same "

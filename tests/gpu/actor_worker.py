@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
+from megatron_jetrl.actor.layers import PackedCoreAttention  # noqa: E402
 from megatron_jetrl.algo import cross_entropy_loss, ppo_clip_loss  # noqa: E402
 from megatron_jetrl.config import build  # noqa: E402
 from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
@@ -240,13 +241,17 @@ class Scenarios:
         """The te backend (Transformer Engine's layer spec, Float8BlockScaling with fp32 scales): the
         FP8 weights the sync reads are the reference quantization of the parameters byte for byte
         and the very bytes TE cached for its FProp; logprobs close to BF16's and to the native
-        backend's; optimizer steps lower the loss and the synced weights follow them."""
+        backend's; optimizer steps lower the loss and the synced weights follow them; in BF16 the
+        te backend builds TE's layers too."""
         arch = "Qwen3ForCausalLM"
         logprobs = {}
-        for mode, backend in (("bf16", "native"), ("fp8", "native"), ("fp8", "te")):
+        te_layers = {}
+        for mode, backend in (("bf16", "native"), ("fp8", "native"), ("fp8", "te"), ("bf16", "te")):
             actor = self.actor(arch, mode=mode, backend=backend, lr=1e-3)
             batch = make_batch(actor.bridge.dims.vocab_size)
             logprobs[f"{mode}/{backend}"] = actor.compute_logprobs(batch).logprobs
+            if backend == "te":  # TE's layer spec in every mode: none of the native attention modules
+                te_layers[mode] = not any(isinstance(m, PackedCoreAttention) for m in actor.gpt.modules())
             if backend == "te":
                 mask = batch.fields["loss_mask"].bool()
                 entry = {"first": self._te_bytes(actor)}
@@ -266,6 +271,8 @@ class Scenarios:
             "te_vs_native_mean": d("fp8/te", "fp8/native").mean().item(),
             "te_vs_native_max": d("fp8/te", "fp8/native").max().item(),
             "te_equals_native": bool(torch.equal(logprobs["fp8/te"], logprobs["fp8/native"])),
+            "te_bf16_vs_bf16_mean": d("bf16/te", "bf16/native").mean().item(),
+            "te_layers": te_layers,
         })
 
     def _te_bytes(self, actor: Actor) -> dict:

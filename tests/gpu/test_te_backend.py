@@ -80,3 +80,13 @@ def test_vllm_holds_tes_bytes(tmp_path_factory, monkeypatch_module):
     assert r["identity_first"]["in_place"] == r["identity_first"]["tensors"]
     assert r["changed_after_step"] > 0
     assert r["mismatch"]["k3_kl"] < 1e-3, r["mismatch"]
+
+
+def test_te_backend_builds_tes_layers_in_bf16_too(te):
+    """The te backend is Transformer Engine's layers in every mode, so that its FP8 step is measured
+    against its own BF16 step (the same attention and norms): in BF16 no native attention module is
+    built, and the logprobs sit far closer to the native BF16 ones than FP8's do."""
+    data, _ = te
+    r = data["results"]["te/logprobs"]
+    assert r["te_layers"] == {"fp8": True, "bf16": True}, r
+    assert r["te_bf16_vs_bf16_mean"] < 0.5 * r["native_vs_bf16_mean"], r

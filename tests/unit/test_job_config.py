@@ -145,6 +145,16 @@ def test_fp8_kv_cache_needs_vllm_and_fp8_rollout():
         tiny("rollout.engine=vllm", "rollout.vllm.kv_cache_dtype=fp8", "precision.mode=bf16")
 
 
+def test_fp8_kv_cache_scales_need_the_native_layers_in_every_mode():
+    """The per-step q/k/v scales come from the native attention; the te backend builds Transformer
+    Engine's layers in every precision mode, so BF16 training with FP8 rollout is refused too."""
+    for mode in ("fp8", "bf16-train+fp8-rollout"):
+        with pytest.raises(ConfigError, match="cannot calibrate an FP8 KV cache") as e:
+            tiny("rollout.engine=vllm", "rollout.vllm.kv_cache_dtype=fp8", f"precision.mode={mode}",
+                 "actor.fp8_backend=te")
+        assert e.value.key == "actor.fp8_backend"
+
+
 def test_vllm_engine_takes_an_inline_config_and_sizes_its_sequences():
     job = tiny("rollout.engine=vllm")  # the inline model.config is enough: vLLM gets it written out
     assert job.model.hf_config is None
