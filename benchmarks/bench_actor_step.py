@@ -11,8 +11,9 @@ embeddings, real vocab). The table states the LM head's share of the linear FLOP
 mode: a shallow model gives it far more than a real one). ``--profile`` adds a kernel-time split of
 one step per mode (GEMMs / FP8 quantization / attention / elementwise / other); ``--find-syncs``
 lists where one step waits for the GPU from the host, by source line; ``--headline PATH``
-writes actor_step_fp8_over_bf16 and logprob_fp8_over_bf16 (and actor_step_te_fp8_over_bf16 with
-fp8-te; benchmarks/headline.py).
+writes the ``RATIOS`` whose two modes ran (benchmarks/headline.py): actor_step_fp8_over_bf16 and
+logprob_fp8_over_bf16; with fp8-te, TE's FP8 step over native BF16 (other attention) and over
+native FP8; with bf16-te too, over TE's BF16 (the same attention: what TE's FP8 itself gains).
 
 Random weights (megatron's init), no checkpoint. One step = ``Actor.update``: forward + backward
 over packed micro-batches, DistributedOptimizer step (fp32 Adam, clipping), FP8 re-quantization.
@@ -31,12 +32,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
 
 from megatron_jetrl.actor import Actor, ActorSettings, OptimizerSettings, PackedBatch  # noqa: E402
+from megatron_jetrl.actor.layers import PackedCoreAttention  # noqa: E402
 from megatron_jetrl.algo import ppo_clip_loss  # noqa: E402
 from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
 from benchmarks.headline import Figure, command_line, update  # noqa: E402
@@ -70,9 +73,29 @@ def timed(fn, steps: int) -> list[float]:
     return out
 
 
-MODES = {"bf16": ("bf16", "native"), "fp8": ("fp8", "native"), "fp8-te": ("fp8", "te")}
+MODES = {"bf16": ("bf16", "native"), "fp8": ("fp8", "native"), "fp8-te": ("fp8", "te"),
+         "bf16-te": ("bf16", "te")}
 """--modes: name -> (precision.mode, actor.fp8_backend). fp8-te is Transformer Engine's layer spec; TE
-must be imported with the recipe's environment: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 torchrun ..."""
+must be imported with the recipe's environment: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 torchrun ...
+bf16-te is TE's layer spec in BF16 (its fused norms and cuDNN attention, BF16 GEMMs): TE's FP8
+against it gains only what FP8 GEMMs gain. A te mode whose actor built the native layers stops
+before timing rather than time them under TE's name."""
+
+RATIOS = {  # headline key -> (baseline mode, measured mode, timings)
+    "actor_step_fp8_over_bf16": ("bf16", "fp8", "step_s_all"),
+    "logprob_fp8_over_bf16": ("bf16", "fp8", "logprob_s_all"),
+    "actor_step_te_fp8_over_bf16": ("bf16", "fp8-te", "step_s_all"),
+    "actor_step_te_fp8_over_te_bf16": ("bf16-te", "fp8-te", "step_s_all"),
+    "actor_step_te_fp8_over_fp8": ("fp8", "fp8-te", "step_s_all"),
+}
+"""The speed-ups the benchmark reports: median baseline time / median measured time (> 1: the
+measured mode is faster), spread over the paired repeats (``Figure.ratio``)."""
+
+
+def speedups(by_mode: Mapping[str, Mapping]) -> dict[str, Figure]:
+    """The ``RATIOS`` whose two modes both ran, from each mode's row (``run_mode``)."""
+    return {key: Figure.ratio(by_mode[base][timings], by_mode[measured][timings])
+            for key, (base, measured, timings) in RATIOS.items() if base in by_mode and measured in by_mode}
 
 
 def run_mode(mode: str, args, bridge) -> dict:
@@ -85,6 +108,11 @@ def run_mode(mode: str, args, bridge) -> dict:
         optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend, logprob_impl=args.logprob_impl,
     )
     actor = Actor(bridge, settings)
+    if backend == "te" and any(isinstance(m, PackedCoreAttention) for m in actor.gpt.modules()):
+        actor.close()
+        raise SystemExit(f"bench_actor_step: --modes {mode}: actor.fp8_backend=te with precision.mode {precision} "
+                         "built the native layers (megatron_jetrl/actor/model.py layer_spec); timing them would "
+                         "not measure Transformer Engine")
     log(f"{mode}: built")
     batch = make_batch(bridge.dims.vocab_size, args.seqs, args.seq_len)
     batch.fields["old_logprobs"] = actor.compute_logprobs(batch).logprobs  # type: ignore[index]
@@ -198,9 +226,9 @@ def main() -> int:
               f"{100 * lm_head_flop_share(config):.1f}% of the linear FLOPs), TP={args.tp}, "
               f"{dist.get_world_size()} x {name}, {args.seqs} x {args.seq_len} tokens/step, "
               f"micro-batch {args.mb_tokens} tokens, logprob_impl {args.logprob_impl}")
-        print(f"{'mode':6} {'step s':>8} {'tok/s/GPU':>10} {'logprob s':>10} {'tok/s/GPU':>10} {'peak GiB':>9}")
+        print(f"{'mode':7} {'step s':>8} {'tok/s/GPU':>10} {'logprob s':>10} {'tok/s/GPU':>10} {'peak GiB':>9}")
         for r in rows:
-            print(f"{r['mode']:6} {r['step_s']:8.3f} {r['step_tok_s_gpu']:10.0f} {r['logprob_s']:10.3f} "
+            print(f"{r['mode']:7} {r['step_s']:8.3f} {r['step_tok_s_gpu']:10.0f} {r['logprob_s']:10.3f} "
                   f"{r['logprob_tok_s_gpu']:10.0f} {r['peak_gib']:9.1f}")
         for what, key in (("one step", "profile_ms"), ("one logprob pass", "logprob_profile_ms")):
             for r in rows:
@@ -211,28 +239,23 @@ def main() -> int:
                     print(f"kernel time of {what}, {r['mode']}: {total:.0f} ms = {split}")
         for r in rows:
             for kernel, ms in list((r["top_kernels_ms"] or {}).items())[:12]:
-                print(f"  {r['mode']:5} {ms:8.1f} ms  {kernel}")
+                print(f"  {r['mode']:7} {ms:8.1f} ms  {kernel}")
             for op, ms in list((r["top_ops_ms"] or {}).items())[:15]:
-                print(f"  {r['mode']:5} {ms:8.1f} ms  {op} (its own kernels)")
+                print(f"  {r['mode']:7} {ms:8.1f} ms  {op} (its own kernels)")
         for r in rows:
             if r["host_syncs"] is not None:
                 print(f"host synchronizations in one step, {r['mode']}: {sum(r['host_syncs'].values())}")
                 for where, n in list(r["host_syncs"].items())[:15]:
                     print(f"  {n:>5}  {where}")
-        by = {r["mode"]: r for r in rows}
-        if "bf16" in by and "fp8" in by:
-            step_x = Figure.ratio(by["bf16"]["step_s_all"], by["fp8"]["step_s_all"])
-            lp_x = Figure.ratio(by["bf16"]["logprob_s_all"], by["fp8"]["logprob_s_all"])
-            print(f"FP8 / BF16 speed-up (median of {step_x.repeats} steps): step {step_x.value:.2f}x "
-                  f"({step_x.spread[0]:.2f}-{step_x.spread[1]:.2f}), logprob pass {lp_x.value:.2f}x "
-                  f"({lp_x.spread[0]:.2f}-{lp_x.spread[1]:.2f})")
-            headline = {"actor_step_fp8_over_bf16": step_x, "logprob_fp8_over_bf16": lp_x}
-            if "fp8-te" in by:
-                te_x = Figure.ratio(by["bf16"]["step_s_all"], by["fp8-te"]["step_s_all"])
-                print(f"Transformer Engine FP8 / native BF16 speed-up: step {te_x.value:.2f}x")
-                headline["actor_step_te_fp8_over_bf16"] = te_x
-            if args.headline:
-                update(args.headline, headline, device=name, command=command_line("benchmarks.bench_actor_step"))
+        figures = speedups({r["mode"]: r for r in rows})
+        for key, fig in figures.items():
+            base, measured, timings = RATIOS[key]
+            print(f"{measured} over {base}, {timings.split('_')[0]}: {fig.value:.2f}x ({fig.spread[0]:.2f}-"
+                  f"{fig.spread[1]:.2f}, median of {fig.repeats})  {key}")
+        if args.headline and figures:
+            update(args.headline, figures, device=name, command=command_line("benchmarks.bench_actor_step"))
+        elif args.headline:
+            print(f"--headline: no two modes of a headline ratio ran; {args.headline} not written", file=sys.stderr)
         if args.json:
             plain = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
             args.json.write_text(json.dumps({"args": plain, "device": name,

@@ -152,6 +152,47 @@ def test_table_ratios_and_headline(tmp_path):
     assert "in_place   2->2    0.0500" in text and "in_place   1->1    0.2000" in text
     assert "bf16/fp8kv" in text and "1.60x" in text.split("bf16/fp8kv")[1].splitlines()[0]
     assert "kernel time of step 5 (fp8, profiled)" in text and "kernels    900.0 ms: gemm 500, attention 400" in text
+    assert "warm start s" not in text  # no result has one: no row
+
+
+def test_a_warm_start_is_a_row_and_the_headline_engine_start(tmp_path):
+    """decode --warm-start: the table shows each mode's warm start beside its first one (— where a
+    result has none), and vllm_engine_start_s is the FP8 mode's warm start, not its cold one."""
+    (tmp_path / "decode_bf16.json").write_text(json.dumps(_decode("bf16", {"256x4096": 500.0})))
+    (tmp_path / "decode_fp8.json").write_text(json.dumps(
+        {**_decode("fp8", {"256x4096": 600.0}), "engine_start_warm_s": 41.0,
+         "command": "python -m benchmarks.bench_vllm decode --modes bf16,fp8 --warm-start"}))
+    headline = tmp_path / "headline.json"
+    text = _table(tmp_path, headline)
+    rows = {line[:12].strip(): line[12:].split() for line in text.splitlines() if "start s" in line}
+    assert rows == {"start s": ["90", "90"], "warm start s": ["—", "41"]}
+    start = json.loads(headline.read_text())["vllm_engine_start_s"]
+    assert start["value"] == 41.0 and start["command"].endswith("--warm-start")
+
+
+def test_warm_start_runs_a_start_only_child_after_each_mode(tmp_path, monkeypatch):
+    """decode --warm-start: after a mode's measured child, one more child of that mode with
+    --start-only; its start goes into the mode's result as engine_start_warm_s (engine_start_s kept)
+    and its own JSON is removed. A mode whose measured child wrote nothing gets no warm start."""
+    calls = []
+
+    def fake_run_child(kind, args, extra, *, name=None, gpus=1):
+        calls.append((name, extra))
+        if name == "bf16":
+            return None
+        start = 30.0 if "--start-only" in extra else 90.0
+        result = {"mode": extra[0], "engine_start_s": start}
+        (Path(args.work) / f"{kind}_{name}.json").write_text(json.dumps(result))
+        return result
+
+    monkeypatch.setattr(bench_vllm, "run_child", fake_run_child)
+    bench_vllm.main(["decode", "--modes", "bf16,fp8", "--fp8-gemm", "deep_gemm", "--warm-start",
+                     "--work", str(tmp_path)])
+    assert [(n, e[:2]) for n, e in calls] == [("bf16", ["bf16", "--cases"]), ("fp8-deep_gemm", ["fp8", "--cases"]),
+                                              ("fp8-deep_gemm-start", ["fp8", "--start-only"])]
+    assert json.loads((tmp_path / "decode_fp8-deep_gemm.json").read_text()) == {
+        "mode": "fp8", "engine_start_s": 90.0, "engine_start_warm_s": 30.0}
+    assert sorted(f.name for f in tmp_path.glob("*.json")) == ["decode_fp8-deep_gemm.json"]
 
 
 def test_step_ratios_are_no_headline_unless_every_mode_did_the_same_work(tmp_path):
@@ -229,6 +270,46 @@ def test_model_shapes_and_the_lm_head_share():
     assert lm_head_flop_share(qwen3_shaped("qwen3-8b", 6)) > 0.33  # 6 layers: over a third
     with pytest.raises(ValueError, match="qwen3-4b"):
         qwen3_shaped("qwen3-32b")
+
+
+def test_actor_step_speedups_are_written_only_for_modes_that_ran(tmp_path):
+    """bench_actor_step's headline ratios: median baseline time / median measured time (> 1: the
+    measured mode is faster), spread over the steps paired one by one; a key only where both of its
+    modes ran. TE's FP8 is compared with TE's BF16 (the same attention) and with native FP8 apart
+    from the native-BF16 comparison."""
+    from benchmarks.bench_actor_step import MODES, RATIOS, speedups
+
+    assert set(RATIOS) <= set(KEYS)
+    assert {m for base, measured, _ in RATIOS.values() for m in (base, measured)} <= set(MODES)
+    assert MODES["bf16-te"] == ("bf16", "te") and MODES["fp8-te"] == ("fp8", "te")
+
+    def row(step_s, logprob_s):
+        return {"step_s_all": step_s, "logprob_s_all": logprob_s}
+
+    rows = {"bf16": row([2.0, 2.2, 2.1], [1.0] * 3), "fp8": row([1.6, 2.0, 1.4], [0.8] * 3),
+            "fp8-te": row([1.5, 1.6, 1.4], [0.7] * 3), "bf16-te": row([1.8, 1.8, 1.8], [0.9] * 3)}
+    figs = speedups(rows)
+    assert set(figs) == set(RATIOS)
+    te_over_fp8 = figs["actor_step_te_fp8_over_fp8"]  # native FP8 time / TE FP8 time
+    assert te_over_fp8.value == pytest.approx(1.6 / 1.5) and te_over_fp8.repeats == 3
+    assert te_over_fp8.spread == pytest.approx((1.4 / 1.4, 2.0 / 1.6))
+    assert figs["actor_step_te_fp8_over_te_bf16"].value == pytest.approx(1.8 / 1.5)
+    assert figs["actor_step_te_fp8_over_bf16"].value == pytest.approx(2.1 / 1.5)
+    assert figs["actor_step_fp8_over_bf16"].value == pytest.approx(2.1 / 1.6)
+    assert figs["logprob_fp8_over_bf16"].value == pytest.approx(1.0 / 0.8)
+
+    without_te_bf16 = speedups({m: rows[m] for m in ("bf16", "fp8", "fp8-te")})
+    assert set(without_te_bf16) == {"actor_step_fp8_over_bf16", "logprob_fp8_over_bf16",
+                                    "actor_step_te_fp8_over_bf16", "actor_step_te_fp8_over_fp8"}
+    assert set(speedups({m: rows[m] for m in ("bf16-te", "fp8-te")})) == {"actor_step_te_fp8_over_te_bf16"}
+    assert speedups({"fp8-te": rows["fp8-te"], "bf16": rows["bf16"]}).keys() == {"actor_step_te_fp8_over_bf16"}
+    assert speedups({"fp8-te": rows["fp8-te"]}) == {}
+
+    path = tmp_path / "headline.json"
+    update(path, figs, device="GPU X", command="torchrun ... -m benchmarks.bench_actor_step --modes bf16,fp8,fp8-te")
+    data = json.loads(path.read_text())
+    assert data["actor_step_te_fp8_over_fp8"]["value"] == 1.0667
+    assert data["actor_step_te_fp8_over_te_bf16"]["spread"] == [1.125, 1.2857]  # 1.8 / 1.6, 1.8 / 1.4
 
 
 def test_kernel_time_by_class():
