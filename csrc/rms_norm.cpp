@@ -101,6 +101,19 @@ void rms_norm_cpu(const RmsNormArgs& args, at::ScalarType dtype) {
   by_cpu_dtype(dtype, "rms_norm", [&](auto t) { run_cpu<decltype(t)>(args); });
 }
 
+// The launch arguments of y = rms_norm(x) (add_rms_norm adds its residual's).
+RmsNormArgs norm_args(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, double eps) {
+  RmsNormArgs args;
+  args.x = x.data_ptr();
+  args.w = weight.data_ptr();
+  args.y = y.data_ptr();
+  args.R = x.size(0);
+  args.H = x.size(1);
+  args.x_stride = x.stride(0);
+  args.eps = static_cast<float>(eps);
+  return args;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -121,17 +134,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   at::Tensor y = at::empty({R, H}, options), total = at::empty({R, H}, options);
   if (R == 0) return {y, total};
 #ifdef JETRL_WITH_CUDA
-  RmsNormArgs args;
-  args.x = x.data_ptr();
-  args.w = weight.data_ptr();
-  args.y = y.data_ptr();
+  RmsNormArgs args = norm_args(x, weight, y, eps);
   args.residual = residual.data_ptr();
   args.total = total.data_ptr();
-  args.R = R;
-  args.H = H;
-  args.x_stride = x.stride(0);
   args.r_stride = residual.stride(0);
-  args.eps = static_cast<float>(eps);
   rms_norm_cuda(args, x.scalar_type(), x);
 #endif
   return {y, total};
@@ -142,14 +148,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t R = x.size(0), H = x.size(1);
   at::Tensor y = at::empty({R, H}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (R == 0) return y;
-  RmsNormArgs args;
-  args.x = x.data_ptr();
-  args.w = weight.data_ptr();
-  args.y = y.data_ptr();
-  args.R = R;
-  args.H = H;
-  args.x_stride = x.stride(0);
-  args.eps = static_cast<float>(eps);
+  const RmsNormArgs args = norm_args(x, weight, y, eps);
 #ifdef JETRL_WITH_CUDA
   if (x.is_cuda()) {
     rms_norm_cuda(args, x.scalar_type(), x);
