@@ -8,6 +8,9 @@ Prints one table per section, all measured in this one run on one device:
      every iteration (one micro-batch per step) and once with it cached (the step's other
      micro-batches), and the speedup of each.
   3. Quantization kernels: GB/s (bytes read + written) against a device-to-device copy's GB/s.
+Where DeepGEMM imports (a pip install or vLLM's vendored copy), also WGrad into an fp32 main grad:
+today's scaled_mm + fp32 add against DeepGEMM's SM90 1D1D kernel, which accumulates in place (the
+candidate for a faster WGrad, which bounds the FP8 step).
 
 Usage (GPU host):  python -m benchmarks.bench_fp8_linear [--tokens 16384] [--json out.json] [--headline PATH]
 ``--headline`` writes linear_fp8_over_bf16 (a whole layer's linears, fwd+bwd incl. quantization, weight
@@ -94,6 +97,53 @@ def gemm_rows(tokens: int, name: str, K: int, N: int, q: NativeQuantizer) -> lis
         }
         for gemm in ("fprop", "dgrad", "wgrad")
     ]
+
+
+def deep_gemm_module():
+    """DeepGEMM (a pip install, else the copy vLLM vendors), or None with why."""
+    import importlib
+
+    reasons = []
+    for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            reasons.append(f"{name}: {e}")
+            continue
+        if hasattr(module, "fp8_gemm_nt"):
+            return module, name
+        reasons.append(f"{name} has no fp8_gemm_nt")
+    return None, "; ".join(reasons)
+
+
+def wgrad_row(tokens: int, name: str, K: int, N: int, q: NativeQuantizer, dg) -> dict:
+    """WGrad as training runs it, into an fp32 main grad: torch's blockwise ``scaled_mm`` to BF16
+    then the fp32 add (today's path) against DeepGEMM's SM90 1D1D kernel (1x128 groups along the
+    tokens on both operands, as the trainer quantizes them), which accumulates in fp32 into the
+    main grad itself. Same operands; ``rel_diff``: one product, DeepGEMM's fp32 result against
+    scaled_mm's BF16-rounded one, relative to its largest value."""
+    x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, N, device="cuda", dtype=torch.bfloat16)
+    _, x_col = q.quantize_groups(x, rowwise=False, columnwise=True)
+    _, dy_col = q.quantize_groups(dy, rowwise=False, columnwise=True)
+    main_a = torch.zeros(N, K, device="cuda", dtype=torch.float32)
+    main_b = torch.zeros_like(main_a)
+
+    def deep_gemm_into(main):
+        dg.fp8_gemm_nt((dy_col.data, dy_col.scale_inv), (x_col.data, x_col.scale_inv), main, c=main,
+                       recipe=(1, 1, 128), disable_ue8m0_cast=True)
+
+    t = bench_interleaved({
+        "scaled_mm + add": lambda: main_a.add_(fp8_gemm(dy_col, x_col, torch.bfloat16, "scaled_mm")),
+        "deep_gemm": lambda: deep_gemm_into(main_b),
+    })
+    one = torch.zeros_like(main_a)
+    deep_gemm_into(one)
+    ref = fp8_gemm(dy_col, x_col, torch.bfloat16, "scaled_mm").float()
+    return {"shape": name, "scaled_mm_add_ms": t["scaled_mm + add"], "deep_gemm_ms": t["deep_gemm"],
+            "deep_gemm_tflops": 2 * tokens * K * N / t["deep_gemm"] / 1e9,
+            "speedup": t["scaled_mm + add"] / t["deep_gemm"],
+            "rel_diff": ((one - ref).abs().max() / ref.abs().max()).item()}
 
 
 def gemm_section(tokens: int) -> list[dict]:
@@ -246,6 +296,24 @@ def main(argv=None) -> int:
     print(f"all 12 GEMMs of a layer: bf16 {bf16_ms:.3f} ms, fp8 {fp8_ms:.3f} ms, {bf16_ms / fp8_ms:.2f}x "
           "(the ceiling for the whole linear: quantization only adds to the fp8 side)")
 
+    dg, where = deep_gemm_module()
+    wgrads = []
+    if dg is None:
+        print(f"\n(no DeepGEMM WGrad row: {where})")
+    else:
+        q = NativeQuantizer()
+        try:  # a probe of a third-party kernel: its failure is reported, the suite goes on
+            wgrads = [wgrad_row(args.tokens, name, K, N, q, dg) for name, (K, N) in SHAPES.items()]
+        except Exception as e:  # noqa: BLE001
+            print(f"\n(DeepGEMM WGrad row failed: {type(e).__name__}: {e})")
+        if wgrads:
+            print(f"\n== WGrad into an fp32 main grad: scaled_mm + add vs DeepGEMM 1D1D ({where}) ==")
+            print(f"{'shape':<8} {'scaled_mm+add':>14} {'deep_gemm':>10} {'TFLOP/s':>8} {'speedup':>8} "
+                  f"{'rel diff':>9}")
+        for r in wgrads:
+            print(f"{r['shape']:<8} {r['scaled_mm_add_ms']:11.3f} ms {r['deep_gemm_ms']:7.3f} ms "
+                  f"{r['deep_gemm_tflops']:8.0f} {r['speedup']:7.2f}x {r['rel_diff']:9.1e}")
+
     linears = linear_section(args.tokens)
     print("\n== Linear forward+backward incl. quantization (ms) ==")
     print(f"{'shape':<8} {'bf16':>7} {'fp8+wq':>7} {'fp8':>7} {'speedup+wq':>11} {'speedup':>8}")
@@ -281,6 +349,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "tokens": args.tokens, "gemm": gemms,
+                       "wgrad_deep_gemm": wgrads,
                        "linear": linears, "copy_gbs": copy, "quant": quants,
                        "profile": [{"kernel": k, "ms": ms, "calls": c} for k, ms, c in profile]}, f, indent=1)
     return 0
