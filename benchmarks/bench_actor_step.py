@@ -5,6 +5,7 @@
         --layers 12 --modes bf16,fp8,fp8-te                       # + Transformer Engine's FP8 (te backend)
     torchrun --nproc-per-node 1 -m benchmarks.bench_actor_step --model qwen3-4b --profile   # all 36 layers
     torchrun --nproc-per-node 2 -m benchmarks.bench_actor_step --layers 12 --tp 2
+    torchrun --nproc-per-node 1 -m benchmarks.bench_actor_step --layers 16 --modes bf16,fp8,fp8-dgw  # DeepGEMM WGrad
 
 ``--model`` qwen3-8b (default; ``--layers`` of its 36) or qwen3-4b (36 layers, hidden 2560, tied
 embeddings, real vocab). The table states the LM head's share of the linear FLOPs (BF16 in every
@@ -13,7 +14,8 @@ one step per mode (GEMMs / FP8 quantization / attention / elementwise / other); 
 lists where one step waits for the GPU from the host, by source line; ``--headline PATH``
 writes the ``RATIOS`` whose two modes ran (benchmarks/headline.py): actor_step_fp8_over_bf16 and
 logprob_fp8_over_bf16; with fp8-te, TE's FP8 step over native BF16 (other attention) and over
-native FP8; with bf16-te too, over TE's BF16 (the same attention: what TE's FP8 itself gains).
+native FP8; with bf16-te too, over TE's BF16 (the same attention: what TE's FP8 itself gains); with
+fp8-dgw (``actor.fp8_wgrad=deep_gemm``), that step over BF16.
 
 Random weights (megatron's init), no checkpoint. One step = ``Actor.update``: forward + backward
 over packed micro-batches, DistributedOptimizer step (fp32 Adam, clipping), FP8 re-quantization.
@@ -73,9 +75,10 @@ def timed(fn, steps: int) -> list[float]:
     return out
 
 
-MODES = {"bf16": ("bf16", "native"), "fp8": ("fp8", "native"), "fp8-te": ("fp8", "te"),
-         "bf16-te": ("bf16", "te")}
-"""--modes: name -> (precision.mode, actor.fp8_backend). fp8-te is Transformer Engine's layer spec; TE
+MODES = {"bf16": ("bf16", "native", "gemm"), "fp8": ("fp8", "native", "gemm"), "fp8-te": ("fp8", "te", "gemm"),
+         "bf16-te": ("bf16", "te", "gemm"), "fp8-dgw": ("fp8", "native", "deep_gemm")}
+"""--modes: name -> (precision.mode, actor.fp8_backend, actor.fp8_wgrad). fp8-dgw is the native FP8
+step with DeepGEMM's WGrad accumulating into the fp32 main grads. fp8-te is Transformer Engine's layer spec; TE
 must be imported with the recipe's environment: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 torchrun ...
 bf16-te is TE's layer spec in BF16 (its fused norms and cuDNN attention, BF16 GEMMs): TE's FP8
 against it gains only what FP8 GEMMs gain. A te mode whose actor built the native layers stops
@@ -87,6 +90,7 @@ RATIOS = {  # headline key -> (baseline mode, measured mode, timings)
     "actor_step_te_fp8_over_bf16": ("bf16", "fp8-te", "step_s_all"),
     "actor_step_te_fp8_over_te_bf16": ("bf16-te", "fp8-te", "step_s_all"),
     "actor_step_te_fp8_over_fp8": ("fp8", "fp8-te", "step_s_all"),
+    "actor_step_fp8_deep_gemm_wgrad_over_bf16": ("bf16", "fp8-dgw", "step_s_all"),
 }
 """The speed-ups the benchmark reports: median baseline time / median measured time (> 1: the
 measured mode is faster), spread over the paired repeats (``Figure.ratio``)."""
@@ -101,11 +105,11 @@ def speedups(by_mode: Mapping[str, Mapping]) -> dict[str, Figure]:
 def run_mode(mode: str, args, bridge) -> dict:
     if mode not in MODES:
         raise SystemExit(f"bench_actor_step: --modes {mode!r}: one of {', '.join(MODES)}")
-    precision, backend = MODES[mode]
+    precision, backend, wgrad = MODES[mode]
     settings = ActorSettings(
         parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
         precision=PrecisionRecipe(mode=precision), max_tokens_per_microbatch=args.mb_tokens,
-        optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend, logprob_impl=args.logprob_impl,
+        optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend, fp8_wgrad=wgrad, logprob_impl=args.logprob_impl,
     )
     actor = Actor(bridge, settings)
     if backend == "te" and any(isinstance(m, PackedCoreAttention) for m in actor.gpt.modules()):

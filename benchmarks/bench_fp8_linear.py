@@ -9,8 +9,9 @@ Prints one table per section, all measured in this one run on one device:
      micro-batches), and the speedup of each.
   3. Quantization kernels: GB/s (bytes read + written) against a device-to-device copy's GB/s.
 Where DeepGEMM imports (a pip install or vLLM's vendored copy), also WGrad into an fp32 main grad:
-today's scaled_mm + fp32 add against DeepGEMM's SM90 1D1D kernel, which accumulates in place (the
-candidate for a faster WGrad, which bounds the FP8 step).
+today's scaled_mm + fp32 add against DeepGEMM's SM90 1D1D kernel, which accumulates in place
+(``actor.fp8_wgrad=deep_gemm``, ``ops/deep_gemm.py``: the candidate for a faster WGrad, which bounds
+the FP8 step).
 
 Usage (GPU host):  python -m benchmarks.bench_fp8_linear [--tokens 16384] [--json out.json] [--headline PATH]
 ``--headline`` writes linear_fp8_over_bf16 (a whole layer's linears, fwd+bwd incl. quantization, weight
@@ -28,6 +29,7 @@ import torch
 
 
 from megatron_jetrl.ops import NativeQuantizer, quantize_1x128, quantize_128x128  # noqa: E402
+from megatron_jetrl.ops.deep_gemm import DeepGemmUnavailable, deep_gemm, wgrad_into  # noqa: E402
 from megatron_jetrl.precision import Fp8WeightCache, fp8_block_linear, fp8_gemm  # noqa: E402
 
 SHAPES = {  # name: (in_features K, out_features N), Qwen3-8B
@@ -99,24 +101,7 @@ def gemm_rows(tokens: int, name: str, K: int, N: int, q: NativeQuantizer) -> lis
     ]
 
 
-def deep_gemm_module():
-    """DeepGEMM (a pip install, else the copy vLLM vendors), or None with why."""
-    import importlib
-
-    reasons = []
-    for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError as e:
-            reasons.append(f"{name}: {e}")
-            continue
-        if hasattr(module, "fp8_gemm_nt"):
-            return module, name
-        reasons.append(f"{name} has no fp8_gemm_nt")
-    return None, "; ".join(reasons)
-
-
-def wgrad_row(tokens: int, name: str, K: int, N: int, q: NativeQuantizer, dg) -> dict:
+def wgrad_row(tokens: int, name: str, K: int, N: int, q: NativeQuantizer) -> dict:
     """WGrad as training runs it, into an fp32 main grad: torch's blockwise ``scaled_mm`` to BF16
     then the fp32 add (today's path) against DeepGEMM's SM90 1D1D kernel (1x128 groups along the
     tokens on both operands, as the trainer quantizes them), which accumulates in fp32 into the
@@ -128,17 +113,12 @@ def wgrad_row(tokens: int, name: str, K: int, N: int, q: NativeQuantizer, dg) ->
     _, dy_col = q.quantize_groups(dy, rowwise=False, columnwise=True)
     main_a = torch.zeros(N, K, device="cuda", dtype=torch.float32)
     main_b = torch.zeros_like(main_a)
-
-    def deep_gemm_into(main):
-        dg.fp8_gemm_nt((dy_col.data, dy_col.scale_inv), (x_col.data, x_col.scale_inv), main, c=main,
-                       recipe=(1, 1, 128), disable_ue8m0_cast=True)
-
     t = bench_interleaved({
         "scaled_mm + add": lambda: main_a.add_(fp8_gemm(dy_col, x_col, torch.bfloat16, "scaled_mm")),
-        "deep_gemm": lambda: deep_gemm_into(main_b),
+        "deep_gemm": lambda: wgrad_into(dy_col, x_col, main_b),
     })
     one = torch.zeros_like(main_a)
-    deep_gemm_into(one)
+    wgrad_into(dy_col, x_col, one)
     ref = fp8_gemm(dy_col, x_col, torch.bfloat16, "scaled_mm").float()
     return {"shape": name, "scaled_mm_add_ms": t["scaled_mm + add"], "deep_gemm_ms": t["deep_gemm"],
             "deep_gemm_tflops": 2 * tokens * K * N / t["deep_gemm"] / 1e9,
@@ -296,18 +276,19 @@ def main(argv=None) -> int:
     print(f"all 12 GEMMs of a layer: bf16 {bf16_ms:.3f} ms, fp8 {fp8_ms:.3f} ms, {bf16_ms / fp8_ms:.2f}x "
           "(the ceiling for the whole linear: quantization only adds to the fp8 side)")
 
-    dg, where = deep_gemm_module()
     wgrads = []
-    if dg is None:
-        print(f"\n(no DeepGEMM WGrad row: {where})")
+    try:
+        dg = deep_gemm()
+    except DeepGemmUnavailable as e:
+        print(f"\n(no DeepGEMM WGrad rows: {e})")
     else:
         q = NativeQuantizer()
         try:  # a probe of a third-party kernel: its failure is reported, the suite goes on
-            wgrads = [wgrad_row(args.tokens, name, K, N, q, dg) for name, (K, N) in SHAPES.items()]
+            wgrads = [wgrad_row(args.tokens, name, K, N, q) for name, (K, N) in SHAPES.items()]
         except Exception as e:  # noqa: BLE001
-            print(f"\n(DeepGEMM WGrad row failed: {type(e).__name__}: {e})")
+            print(f"\n(DeepGEMM WGrad rows failed: {type(e).__name__}: {e})")
         if wgrads:
-            print(f"\n== WGrad into an fp32 main grad: scaled_mm + add vs DeepGEMM 1D1D ({where}) ==")
+            print(f"\n== WGrad into an fp32 main grad: scaled_mm + add vs DeepGEMM 1D1D ({dg.__name__}) ==")
             print(f"{'shape':<8} {'scaled_mm+add':>14} {'deep_gemm':>10} {'TFLOP/s':>8} {'speedup':>8} "
                   f"{'rel diff':>9}")
         for r in wgrads:

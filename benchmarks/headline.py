@@ -39,6 +39,8 @@ KEYS = {  # key -> (what it is, target or "")
     "actor_step_te_fp8_over_bf16": ("actor step with Transformer Engine's FP8 layers over native BF16", ""),
     "actor_step_te_fp8_over_te_bf16": ("actor step with Transformer Engine's layers, FP8 over BF16 (the same "
                                        "attention)", ""),
+    "actor_step_fp8_deep_gemm_wgrad_over_bf16": ("actor step, FP8 with DeepGEMM's WGrad into the fp32 main grads "
+                                                 "(actor.fp8_wgrad=deep_gemm) over BF16", "≥ 1.3×"),
     "actor_step_te_fp8_over_fp8": ("actor step with Transformer Engine's FP8 layers over the native FP8 ones",
                                    ""),
     "logprob_fp8_over_bf16": ("logprob pass of the actor, FP8 over BF16", ""),

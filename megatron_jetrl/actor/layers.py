@@ -49,6 +49,7 @@ from megatron_jetrl.ops.exact import VllmKernels
 from megatron_jetrl.precision import Fp8Quantizer, Fp8Weight, Fp8WeightCache, fp8_block_linear
 from megatron_jetrl.precision.kv_cache import KvAmaxObserver
 from megatron_jetrl.precision.gemm import GemmBackend
+from megatron_jetrl.precision.linear import WgradInto
 
 try:  # megatron's RoPE on [s, b, h, d], private: a megatron without it keeps its own thd path
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
@@ -218,12 +219,15 @@ class _Fp8LinearMixin:
     fp8_gemm: GemmBackend = "auto"
     fp8_enabled: bool = True
     exact_kernels: Optional[VllmKernels] = None
+    fp8_wgrad_into: Optional[WgradInto] = None
 
-    def configure_fp8(self, *, quantizer: Fp8Quantizer, gemm: GemmBackend, enabled: bool) -> None:
+    def configure_fp8(self, *, quantizer: Fp8Quantizer, gemm: GemmBackend, enabled: bool,
+                      wgrad_into: Optional[WgradInto] = None) -> None:
         self.fp8_quantizer = quantizer
         self.fp8_gemm = gemm
         self.fp8_enabled = enabled
         self.fp8_cache = Fp8WeightCache()
+        self.fp8_wgrad_into = wgrad_into
 
     def fp8_weight(self) -> Optional[Fp8Weight]:
         """This rank's shard of the weight as the FProp GEMM reads it; None in a BF16 layer."""
@@ -249,7 +253,7 @@ class _Fp8LinearMixin:
                                       tp_group=tp_group)
         fprop = self.exact_kernels.fp8_gemm if self.exact_kernels is not None else None
         return fp8_block_linear(input, weight, bias, quantizer=self.fp8_quantizer, cache=self.fp8_cache,
-                                gemm=self.fp8_gemm, fprop=fprop)
+                                gemm=self.fp8_gemm, fprop=fprop, wgrad_into=self.fp8_wgrad_into)
 
 
 class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):

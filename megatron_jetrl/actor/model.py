@@ -52,12 +52,14 @@ ONE_YEAR_OF_STEPS = 10**9
 
 
 def check_fp8_device(settings: ActorSettings, device: torch.device) -> None:
-    """FP8 training needs a GPU with block-scaled FP8 GEMMs; name what would work otherwise."""
+    """FP8 training needs a GPU with block-scaled FP8 GEMMs; name what would work otherwise (and
+    check ``actor.fp8_wgrad`` can run, before the model is built)."""
     if not settings.precision.train_fp8:
         return
     if settings.fp8_backend == "te":
         return
     if settings.fp8_gemm == "emulate":
+        fp8_wgrad_into(settings, "emulate")
         return
     if not scaled_mm_supported(device):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
@@ -70,6 +72,7 @@ def check_fp8_device(settings: ActorSettings, device: torch.device) -> None:
             f"the native FP8 backend needs torch's blockwise scaled_mm (Hopper sm_90, torch >= 2.10); "
             f"{name} (capability {cap}) with torch {torch.__version__} has none: {hint}",
         )
+    fp8_wgrad_into(settings, "scaled_mm")
 
 
 def check_te_backend(settings: ActorSettings, num_layers: int) -> dict:
@@ -135,18 +138,37 @@ def build_gpt(bridge: ModelBridge, settings: ActorSettings, config: TransformerC
     return model.cuda(torch.cuda.current_device())
 
 
+def fp8_wgrad_into(settings: ActorSettings, gemm: str):
+    """The WGrad into the fp32 main grad that ``actor.fp8_wgrad`` asks for (None: ``gemm``'s dW), after
+    checking it can run: DeepGEMM importable, beside the Hopper GEMMs."""
+    if settings.fp8_wgrad == "gemm":
+        return None
+    if gemm != "scaled_mm":
+        raise ConfigError("actor.fp8_wgrad", settings.fp8_wgrad,
+                          f"DeepGEMM's WGrad runs on Hopper beside torch's blockwise GEMMs; this actor's FP8 GEMMs are "
+                          f"{gemm!r}: set actor.fp8_wgrad=gemm")
+    from megatron_jetrl.ops.deep_gemm import DeepGemmUnavailable, deep_gemm, wgrad_into
+
+    try:
+        deep_gemm()
+    except DeepGemmUnavailable as e:
+        raise ConfigError("actor.fp8_wgrad", settings.fp8_wgrad, f"{e}; or set actor.fp8_wgrad=gemm") from e
+    return wgrad_into
+
+
 def configure_fp8_linears(model: GPTModel, settings: ActorSettings, num_layers: int, device) -> int:
     """Give every native FP8 linear its quantizer and GEMM backend, and switch the linears of the
     recipe's BF16 layers to BF16. Returns how many linears run in FP8."""
     recipe = settings.precision
     quantizer = NativeQuantizer(pow2_scales=recipe.fp8.pow2_scales, eps=recipe.fp8.amax_epsilon)
     gemm = resolve_gemm_backend(settings.fp8_gemm, device)
+    wgrad_into = fp8_wgrad_into(settings, gemm)
     n_fp8 = 0
     for layer in model.decoder.layers:
         enabled = recipe.layer_in_fp8(layer.layer_number - 1, num_layers)
         for m in layer.modules():
             if isinstance(m, _Fp8LinearMixin):
-                m.configure_fp8(quantizer=quantizer, gemm=gemm, enabled=enabled)
+                m.configure_fp8(quantizer=quantizer, gemm=gemm, enabled=enabled, wgrad_into=wgrad_into)
                 n_fp8 += enabled
     return n_fp8
 

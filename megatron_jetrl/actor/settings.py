@@ -85,6 +85,10 @@ class ActorSettings:
     precision: PrecisionRecipe = field(default_factory=PrecisionRecipe)
     fp8_backend: Literal["native", "te"] = "native"
     fp8_gemm: Literal["auto", "scaled_mm", "emulate"] = "auto"
+    fp8_wgrad: Literal["gemm", "deep_gemm"] = "gemm"
+    """The native FP8 linears' WGrad: ``gemm`` (``fp8_gemm``'s, a BF16 dW that megatron adds to its fp32
+    main grad) or ``deep_gemm`` (DeepGEMM's SM90 1D1D kernel accumulating into the main grad itself,
+    ``ops/deep_gemm.py``; Hopper, DeepGEMM importable)."""
     max_tokens_per_microbatch: int = 8192
     max_seq_len: Optional[int] = None
     recompute: Literal["none", "full"] = "none"
@@ -93,7 +97,10 @@ class ActorSettings:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        check_fields(self, "actor", ("fp8_backend", "fp8_gemm", "recompute", "logprob_impl"))
+        check_fields(self, "actor", ("fp8_backend", "fp8_gemm", "fp8_wgrad", "recompute", "logprob_impl"))
+        if self.fp8_wgrad != "gemm" and self.fp8_backend != "native":
+            raise ConfigError("actor.fp8_wgrad", self.fp8_wgrad, f"is the native FP8 linears' WGrad; the "
+                              f"{self.fp8_backend!r} backend runs its own: set actor.fp8_wgrad=gemm")
         if not isinstance(self.parallel, ParallelLayout):
             raise ConfigError("actor.parallel", self.parallel, "must be a ParallelLayout")
         if not isinstance(self.precision, PrecisionRecipe):

@@ -127,13 +127,19 @@ FpropGemm = Callable[[Fp8Tensor, Fp8Tensor, torch.dtype], torch.Tensor]
 """``(x [M, K] 1x128 groups, W [N, K] 128x128 blocks, out dtype) -> x·Wᵀ`` [M, N]: another kernel for
 the FProp GEMM (the exact mode's: vLLM's CUTLASS call, ``ops.exact.VllmKernels.fp8_gemm``)."""
 
+WgradInto = Callable[[Fp8Tensor, Fp8Tensor, torch.Tensor], None]
+"""``(dyᵀ [N, M], xᵀ [K, M], main [N, K] fp32)``, both operands in 1x128 groups along the tokens M:
+``main += dyᵀ·x`` in fp32, in place (``ops.deep_gemm.wgrad_into``). Used where the weight carries
+megatron's fp32 ``main_grad``: the WGrad then lands there directly, and the weight's ``grad`` is
+megatron's placeholder (``grad_added_to_main_grad``), instead of a BF16 ``dW`` its DDP hook adds."""
+
 
 class Fp8BlockLinear(torch.autograd.Function):
     """Autograd function; call through ``fp8_block_linear``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, fp8_weight: Fp8Weight, quantizer: Fp8Quantizer, gemm: GemmBackend,
-                fprop: Optional[FpropGemm]):
+                fprop: Optional[FpropGemm], wgrad_into: Optional[WgradInto]):
         N, K = weight.shape
         x_MK = x.reshape(-1, K)
         need_wgrad = ctx.needs_input_grad[1]
@@ -149,6 +155,8 @@ class Fp8BlockLinear(torch.autograd.Function):
         ctx.quantizer = quantizer
         ctx.gemm = gemm
         ctx.shapes = (x.shape, weight.dtype, None if bias is None else bias.dtype)
+        ctx.main_grad_of = weight if wgrad_into is not None and need_wgrad else None
+        ctx.wgrad_into = wgrad_into
         return y.view(*x.shape[:-1], N)
 
     @staticmethod
@@ -164,10 +172,23 @@ class Fp8BlockLinear(torch.autograd.Function):
         if need_dgrad:
             dx = fp8_gemm(dy_row, ctx.fp8_weight.dgrad, dy.dtype, ctx.gemm).view(x_shape)
         if need_wgrad:
-            dw = fp8_gemm(dy_col, ctx.x_col, w_dtype, ctx.gemm)
+            dw = _wgrad(ctx, dy_col, w_dtype)
         if need_bgrad:
             db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
+
+
+def _wgrad(ctx, dy_col: Fp8Tensor, w_dtype: torch.dtype) -> torch.Tensor:
+    """dW = dyᵀ·x: into the weight's fp32 ``main_grad`` by ``wgrad_into`` where it has one (megatron's
+    convention for a fused WGrad: ``grad_added_to_main_grad`` set, an uninitialized ``grad`` its DDP
+    hook does not add), else as a tensor of the weight's dtype."""
+    weight = ctx.main_grad_of
+    main = getattr(weight, "main_grad", None) if weight is not None else None
+    if main is None:
+        return fp8_gemm(dy_col, ctx.x_col, w_dtype, ctx.gemm)
+    ctx.wgrad_into(dy_col, ctx.x_col, main)
+    weight.grad_added_to_main_grad = True
+    return torch.empty(weight.shape, dtype=w_dtype, device=main.device)
 
 
 def fp8_block_linear(
@@ -179,6 +200,7 @@ def fp8_block_linear(
     cache: Optional[Fp8WeightCache] = None,
     gemm: GemmBackend = "auto",
     fprop: Optional[FpropGemm] = None,
+    wgrad_into: Optional[WgradInto] = None,
 ) -> torch.Tensor:
     """y = x·Wᵀ + b with all three GEMMs in FP8 (see the module docstring).
 
@@ -190,6 +212,8 @@ def fp8_block_linear(
             quantized on every call.
         gemm: ``auto`` (scaled_mm on Hopper, emulation elsewhere), ``scaled_mm`` or ``emulate``.
         fprop: another FProp GEMM kernel (same operands and bytes; DGrad and WGrad keep ``gemm``).
+        wgrad_into: a WGrad that accumulates into the weight's fp32 ``main_grad`` (``WgradInto``);
+            a weight without one takes ``gemm``'s dW.
     """
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K]; got shape {tuple(weight.shape)}")
@@ -203,7 +227,7 @@ def fp8_block_linear(
     if not torch.is_grad_enabled():
         # No backward will run: skip the token-dim quantization WGrad would need.
         weight = weight.detach()
-    return Fp8BlockLinear.apply(x, weight, bias, fp8_weight, quantizer, gemm, fprop)
+    return Fp8BlockLinear.apply(x, weight, bias, fp8_weight, quantizer, gemm, fprop, wgrad_into)
 
 
 class Fp8Linear(torch.nn.Module):

@@ -2,6 +2,7 @@
 whole Fp8BlockLinear equal the emulation within the GEMM's accumulation error."""
 
 import hashlib
+import os
 import warnings
 
 import pytest
@@ -115,3 +116,38 @@ def test_linear_step_never_synchronizes_the_device(hopper):
             fp8_block_linear(x, w, quantizer=q, cache=c).backward(dy)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _deep_gemm_or_skip():
+    from megatron_jetrl.ops.deep_gemm import DeepGemmUnavailable, deep_gemm
+
+    try:
+        return deep_gemm()
+    except DeepGemmUnavailable as e:
+        if os.environ.get("JETRL_REQUIRE_VLLM") == "1":  # the GPU host's vLLM vendors DeepGEMM: it must import
+            raise
+        pytest.skip(f"{e} (actor.fp8_wgrad=deep_gemm is not tested here)")
+
+
+@pytest.mark.parametrize("nkm", [(6144, 4096, 4096), (4096, 12288, 2048), (384, 256, 128)])
+def test_deep_gemm_wgrad_accumulates_the_exact_product_into_the_main_grad(hopper, nkm):
+    """``actor.fp8_wgrad=deep_gemm``: DeepGEMM's 1D1D kernel adds dyᵀ·x of the trainer's own WGrad
+    operands (1x128 groups along the tokens) into an fp32 main grad, within the FP8 MMAs'
+    accumulation error of the exact product, and a second call adds it again."""
+    from megatron_jetrl.ops.deep_gemm import wgrad_into
+
+    _deep_gemm_or_skip()
+    N, K, M = nkm
+    q = NativeQuantizer()
+    dy, x = (torch.randn(M, n, device="cuda", dtype=torch.bfloat16) for n in (N, K))
+    _, dy_col = q.quantize_groups(dy, rowwise=False, columnwise=True)
+    _, x_col = q.quantize_groups(x, rowwise=False, columnwise=True)
+    exact = dy_col.dequantize(torch.float64) @ x_col.dequantize(torch.float64).t()
+    start = torch.randn(N, K, device="cuda", dtype=torch.float32)
+    main = start.clone()
+    wgrad_into(dy_col, x_col, main)
+    rel = ((main.double() - start.double() - exact).norm() / exact.norm()).item()
+    assert rel < 5e-4, f"relative error {rel:.2e} vs the exact product of the FP8 operands"
+    wgrad_into(dy_col, x_col, main)
+    rel2 = ((main.double() - start.double() - 2 * exact).norm() / (2 * exact).norm()).item()
+    assert rel2 < 5e-4, f"after a second call: relative error {rel2:.2e}"

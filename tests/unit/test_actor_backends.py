@@ -66,3 +66,17 @@ def test_fp8_micro_batches_are_padded_to_whole_token_groups():
     assert token_multiple(settings("fp8"), False) == 128
     assert token_multiple(settings("fp8", "te"), False) == 128
     assert token_multiple(settings("fp8", tp=2), True) == 256  # 128 tokens on each TP rank
+
+
+def test_deep_gemm_wgrad_is_refused_where_it_cannot_run():
+    """``actor.fp8_wgrad=deep_gemm`` is the native FP8 linears' WGrad on Hopper: refused, naming the
+    key, with the te backend (when the settings are made) and beside emulated GEMMs (before the
+    model is built)."""
+    with pytest.raises(ConfigError, match="backend runs its own") as e:
+        ActorSettings(precision=PrecisionRecipe(mode="fp8"), fp8_backend="te", fp8_wgrad="deep_gemm")
+    assert e.value.key == "actor.fp8_wgrad"
+    emulated = ActorSettings(precision=PrecisionRecipe(mode="fp8"), fp8_gemm="emulate", fp8_wgrad="deep_gemm")
+    with pytest.raises(ConfigError, match="set actor.fp8_wgrad=gemm") as e:
+        check_fp8_device(emulated, torch.device("cpu"))
+    assert e.value.key == "actor.fp8_wgrad"
+    check_fp8_device(ActorSettings(precision=PrecisionRecipe(mode="bf16"), fp8_wgrad="deep_gemm"), torch.device("cpu"))

@@ -190,6 +190,42 @@ def test_input_without_grad_skips_dgrad():
     _assert_close(w.grad, _reference(x, w, None, dy)[2], "dW")
 
 
+def _emulated_wgrad_into(calls: list):
+    """A ``WgradInto`` for the CPU: the emulated WGrad product (fp32) added to ``main``."""
+
+    def wgrad_into(dy_col, x_col, main):
+        calls.append((tuple(dy_col.data.shape), tuple(x_col.data.shape), tuple(main.shape)))
+        main.add_(fp8_gemm(dy_col, x_col, torch.float32, "emulate"))
+
+    return wgrad_into
+
+
+def test_wgrad_into_the_main_grad_where_the_weight_has_one():
+    """With ``wgrad_into`` and megatron's fp32 ``main_grad`` on the weight, the WGrad accumulates
+    there over micro-batches (megatron's fused-WGrad convention: ``grad_added_to_main_grad`` set,
+    the weight's ``grad`` a placeholder its DDP hook does not add); a weight without one gets the
+    ordinary dW. The sum is the ordinary dW's, without its rounding to the weight's dtype."""
+    x, w, _, dy = _inputs((2, 128, 256), 384, torch.bfloat16, False)
+    q = ReferenceQuantizer()
+    plain = fp8_block_linear(x, w, quantizer=q, gemm="emulate")
+    plain.backward(dy)
+    want = w.grad.float().clone()
+    w.grad = None
+
+    calls: list = []
+    w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    for _ in range(2):  # two micro-batches into one main grad
+        fp8_block_linear(x, w, quantizer=q, gemm="emulate", wgrad_into=_emulated_wgrad_into(calls)).backward(dy)
+    assert calls == [((384, 256), (256, 256), (384, 256))] * 2
+    assert w.grad_added_to_main_grad is True and w.grad.shape == w.shape
+    _assert_close(w.main_grad, 2 * want, "main_grad after two micro-batches")
+
+    del w.main_grad
+    w.grad = None
+    fp8_block_linear(x, w, quantizer=q, gemm="emulate", wgrad_into=_emulated_wgrad_into(calls)).backward(dy)
+    assert len(calls) == 2 and torch.equal(w.grad.float(), want)  # no main grad: the ordinary dW
+
+
 def test_backward_twice_with_retain_graph():
     """Like torch.nn.functional.linear, a retained graph can be differentiated again; the
     gradients accumulate to exactly twice the first ones."""
