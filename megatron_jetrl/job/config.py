@@ -450,7 +450,9 @@ class Resolved:
                if job.precision.train_fp8 or job.precision.rollout_fp8 else "") + self._exact_note(job),
             f"world        {self.world_size} processes",
             f"trainer      TP={par.tp} PP={par.pp} DP={self.dp}" + (" +SP" if par.sequence_parallel else "")
-            + f", {job.actor.max_tokens_per_microbatch} tokens/micro-batch, recompute {job.actor.recompute}",
+            + f", {job.actor.max_tokens_per_microbatch} tokens/micro-batch, recompute {job.actor.recompute}"
+            + (", Transformer Engine's layers" if job.actor.fp8_backend == "te" else "")
+            + (", FP8 WGrad by DeepGEMM into the main grads" if job.actor.fp8_wgrad == "deep_gemm" else ""),
             f"rollout      engine {job.rollout.engine}, TP={self.rollout_tp}, {self.rollout_replicas} replicas, "
             + ("weights written in place" if job.rollout.options.in_place_weights else "weights through its loaders"),
             f"batch        {job.data.prompts_per_step} prompts x {job.algo.group_size} samples, "

@@ -145,6 +145,15 @@ def test_fp8_kv_cache_needs_vllm_and_fp8_rollout():
         tiny("rollout.engine=vllm", "rollout.vllm.kv_cache_dtype=fp8", "precision.mode=bf16")
 
 
+def test_the_trainer_line_names_te_layers_and_the_deep_gemm_wgrad():
+    def trainer(*overrides):
+        return next(x for x in resolve(tiny(*overrides), 1).describe(tiny(*overrides)) if x.startswith("trainer"))
+
+    assert "Transformer Engine" not in trainer() and "DeepGEMM" not in trainer()
+    assert trainer("actor.fp8_backend=te").endswith(", Transformer Engine's layers")
+    assert trainer("actor.fp8_wgrad=deep_gemm").endswith(", FP8 WGrad by DeepGEMM into the main grads")
+
+
 def test_fp8_kv_cache_scales_need_the_native_layers_in_every_mode():
     """The per-step q/k/v scales come from the native attention; the te backend builds Transformer
     Engine's layers in every precision mode, so BF16 training with FP8 rollout is refused too."""
