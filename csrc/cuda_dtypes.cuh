@@ -3,6 +3,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -44,6 +46,15 @@ void by_dtype(at::ScalarType dtype, const char* op, Launch&& launch) {
     case at::kFloat: return launch(float{});
     default: TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
   }
+}
+
+// launch(T{}, stream) on x's device and its current stream, T the CUDA type of dtype: the entry of
+// every kernel file's launcher.
+template <typename Launch>
+void by_dtype_on_stream(const at::Tensor& x, at::ScalarType dtype, const char* op, Launch&& launch) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  by_dtype(dtype, op, [&](auto t) { launch(t, stream); });
 }
 
 }  // namespace jetrl

@@ -11,8 +11,6 @@
 // nothing depends on other rows or on the grid, so an element gets the same bits in any batch. No host
 // syncs and no allocations besides the output: capturable in a CUDA graph.
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Float8_e4m3fn.h>
 
 #include <cstdint>
@@ -111,15 +109,13 @@ void launch_static_fp8_quant(const StaticQuantArgs& a, cudaStream_t stream) {
 }  // namespace
 
 void silu_mul_cuda(const SiluMulArgs& args, at::ScalarType dtype, const at::Tensor& x) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  by_dtype(dtype, "silu_mul", [&](auto t) { launch_silu_mul<decltype(t)>(args, stream); });
+  by_dtype_on_stream(x, dtype, "silu_mul",
+                     [&](auto t, cudaStream_t stream) { launch_silu_mul<decltype(t)>(args, stream); });
 }
 
 void static_fp8_quant_cuda(const StaticQuantArgs& args, at::ScalarType dtype, const at::Tensor& x) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  by_dtype(dtype, "static_fp8_quant", [&](auto t) { launch_static_fp8_quant<decltype(t)>(args, stream); });
+  by_dtype_on_stream(x, dtype, "static_fp8_quant",
+                     [&](auto t, cudaStream_t stream) { launch_static_fp8_quant<decltype(t)>(args, stream); });
 }
 
 }  // namespace jetrl

@@ -22,8 +22,6 @@
 // Thread layout: 256 threads; a thread owns ROWS consecutive rows x VEC consecutive columns
 // (bf16/fp16: 8x8, fp32: 16x4); TPR = 128/VEC threads span a tile row.
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -369,9 +367,8 @@ void launch_typed(const QuantizeArgs& a, cudaStream_t stream) {
 }  // namespace
 
 void quantize_cuda(const QuantizeArgs& args, at::ScalarType dtype, const at::Tensor& x) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  by_dtype(dtype, "quantize", [&](auto t) { launch_typed<decltype(t)>(args, stream); });
+  by_dtype_on_stream(x, dtype, "quantize",
+                     [&](auto t, cudaStream_t stream) { launch_typed<decltype(t)>(args, stream); });
 }
 
 }  // namespace jetrl

@@ -15,8 +15,6 @@
 // thousands. Memory-bound; the second pass over the row mostly hits L1/L2. No host syncs and no
 // allocations besides the output: capturable in a CUDA graph.
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include "cuda_dtypes.cuh"
 #include "rms_norm.h"
@@ -105,9 +103,8 @@ void launch_typed(const RmsNormArgs& a, cudaStream_t stream) {
 }  // namespace
 
 void rms_norm_cuda(const RmsNormArgs& args, at::ScalarType dtype, const at::Tensor& x) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  by_dtype(dtype, "rms_norm", [&](auto t) { launch_typed<decltype(t)>(args, stream); });
+  by_dtype_on_stream(x, dtype, "rms_norm",
+                     [&](auto t, cudaStream_t stream) { launch_typed<decltype(t)>(args, stream); });
 }
 
 }  // namespace jetrl

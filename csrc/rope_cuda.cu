@@ -10,8 +10,6 @@
 // Nothing depends on other tokens, so a token gets the same bits in any batch. No host syncs and no
 // allocations besides the output: capturable in a CUDA graph.
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include "cuda_dtypes.cuh"
 #include "rope.h"
@@ -52,9 +50,8 @@ void launch_typed(const RopeArgs& a, cudaStream_t stream) {
 }  // namespace
 
 void rope_cuda(const RopeArgs& args, at::ScalarType dtype, const at::Tensor& x) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  by_dtype(dtype, "rope", [&](auto t) { launch_typed<decltype(t)>(args, stream); });
+  by_dtype_on_stream(x, dtype, "rope",
+                     [&](auto t, cudaStream_t stream) { launch_typed<decltype(t)>(args, stream); });
 }
 
 }  // namespace jetrl
