@@ -109,6 +109,14 @@ def _launch_env(args, mode: str = "fp8") -> dict[str, str]:
             **engine_env(_recipe(mode), VllmOptions(fp8_gemm=args.fp8_gemm))}
 
 
+def _gemm(args, mode: str) -> str:
+    """The block-FP8 GEMM ``mode``'s engine runs: ``--fp8-gemm``, ``auto`` resolved as the engine
+    resolves it (DeepGEMM, CUTLASS for an exact mode)."""
+    from megatron_jetrl.rollout.vllm_engine import VllmOptions
+
+    return VllmOptions(fp8_gemm=args.fp8_gemm).fp8_gemm_for(_recipe(mode).exact)
+
+
 def _recipe(mode: str):
     from megatron_jetrl.precision import PrecisionRecipe
 
@@ -181,7 +189,7 @@ def decode_child(args) -> dict:
     engine.generate(torch.randint(0, vocab, (8, args.prompt_len), generator=g).tolist(),
                     SamplingParams(max_new_tokens=16, seed=0))  # warm-up
     free, total = torch.cuda.mem_get_info()
-    out = {"mode": args.mode, "fp8_gemm": args.fp8_gemm, "engine_start_s": start_s,
+    out = {"mode": args.mode, "fp8_gemm": _gemm(args, args.mode), "engine_start_s": start_s,
            "kv_cache_tokens": engine.kv_cache_tokens, "used_gib": (total - free) / 2**30, "cases": {},
            "device": _device()}
     for case in args.cases.split(","):
@@ -211,7 +219,7 @@ def start_child(args) -> dict:
     filled, no generate (what a warm start measures is the start alone)."""
     engine, _, start_s = _engine(args.mode, args)
     engine.close()
-    return {"mode": args.mode, "fp8_gemm": args.fp8_gemm, "engine_start_s": start_s, "device": _device()}
+    return {"mode": args.mode, "fp8_gemm": _gemm(args, args.mode), "engine_start_s": start_s, "device": _device()}
 
 
 def warm_start(args, mode: str, name: str) -> None:
@@ -463,9 +471,10 @@ def table(args) -> str:
             headline["vllm_exact_decode_over_default"] = (
                 Figure.ratio(_tok_s(decode["fp8-exact"], EXACT_CASE), _tok_s(decode["fp8"], EXACT_CASE)),
                 decode["fp8-exact"])
-        if "fp8" in decode:  # warm (decode --warm-start, in the figure's command) when measured, else the first
-            fp8 = decode["fp8"]
-            headline["vllm_engine_start_s"] = (Figure.of([fp8.get("engine_start_warm_s", fp8["engine_start_s"])]), fp8)
+        default = next((decode[m] for m in ("fp8-deep_gemm", "fp8") if m in decode), None)  # the engine's GEMM first
+        if default is not None:  # warm (decode --warm-start, in the figure's command) when measured, else the first
+            headline["vllm_engine_start_s"] = (
+                Figure.of([default.get("engine_start_warm_s", default["engine_start_s"])]), default)
         for m, d in decode.items():
             if "profile" in d:
                 p = d["profile"]
@@ -590,7 +599,9 @@ def main(argv=None) -> int:
     p.add_argument("--step-offload", action="store_true",
                    help="step: rollout.offload_actor=true (the actor waits in host memory while vLLM generates)")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--fp8-gemm", default="cutlass", choices=["cutlass", "deep_gemm"])
+    p.add_argument("--fp8-gemm", default="auto", choices=["auto", "cutlass", "deep_gemm"],
+                   help="vLLM's block-FP8 GEMM (rollout.vllm.fp8_gemm); auto: the engine's default, DeepGEMM "
+                        "(CUTLASS in an exact mode). A DeepGEMM mode's results are named MODE-deep_gemm")
     p.add_argument("--bucket-mb", type=float, default=1024)
     p.add_argument("--train-tp", type=int, default=1, help="sync: the trainer's TP (GPUs: max of the two TPs)")
     p.add_argument("--rollout-tp", type=int, default=1, help="sync: vLLM's TP")
@@ -630,7 +641,8 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
         for mode in args.modes.split(","):
-            name = mode if args.fp8_gemm == "cutlass" or mode == "bf16" else f"{mode}-{args.fp8_gemm}"
+            gemm = _gemm(args, mode)
+            name = mode if gemm == "cutlass" or mode == "bf16" else f"{mode}-{gemm}"
             result = run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else []),
                                name=name)
             if args.warm_start and result is not None:

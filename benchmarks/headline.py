@@ -53,8 +53,9 @@ KEYS = {  # key -> (what it is, target or "")
                                    "--step-layers; 16 for the target)", "≥ 1.3×"),
     "rl_step_vllm_fp8kv_over_bf16": ("the same with an FP8 KV cache", "≥ 1.4×"),
     "rl_generate_fp8_over_bf16": ("the generate phase of that step, FP8 over BF16", "≥ 1.3×"),
-    "vllm_engine_start_s": ("vLLM engine start, FP8 (CUTLASS), Qwen3-8B × 36, CUDA graphs, seconds, from a warm "
-                            "compile/JIT cache (decode --warm-start); a cold start otherwise", "≤ 60 s"),
+    "vllm_engine_start_s": ("vLLM engine start, FP8 with the engine's default GEMM (DeepGEMM; CUTLASS in a run "
+                            "without it), Qwen3-8B × 36, CUDA graphs, seconds, from a warm compile/JIT cache "
+                            "(decode --warm-start); a cold start otherwise", "≤ 60 s"),
     "vllm_k3_fp8_8b6": ("engine-vs-trainer k3 KL, unified FP8, default engine, 8B widths × 6", ""),
     "vllm_k3_mixed_8b6": ("the same, BF16-train + FP8-rollout (the off-policy recipe)", ""),
     "vllm_k3_bf16_8b6": ("the same, BF16", ""),

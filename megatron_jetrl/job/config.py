@@ -303,8 +303,8 @@ def _check_exact(job: JobConfig) -> None:
          f"the exact rollout needs the trainer's layout in the engine (each rank the same slices of every GEMM): "
          f"set rollout.vllm.tensor_parallel_size={par.tp} (actor.parallel.tp)"),
         ("actor.parallel.pp", par.pp, par.pp == 1, "the exact rollout is verified at PP 1: set actor.parallel.pp=1"),
-        ("rollout.vllm.fp8_gemm", vllm.fp8_gemm, vllm.fp8_gemm == "cutlass",
-         "the trainer's exact FProp calls vLLM's CUTLASS block-FP8 GEMM: set rollout.vllm.fp8_gemm=cutlass"),
+        ("rollout.vllm.fp8_gemm", vllm.fp8_gemm, vllm.fp8_gemm_for(exact=True) == "cutlass",
+         "the trainer's exact FProp calls vLLM's CUTLASS block-FP8 GEMM: set rollout.vllm.fp8_gemm=auto or cutlass"),
         ("rollout.vllm.activation_quant", vllm.activation_quant, vllm.activation_quant == "trainer",
          "vLLM must quantize activations with the trainer's kernel: set rollout.vllm.activation_quant=trainer"),
         ("algo.correction.mode", job.algo.correction.mode, job.algo.correction.mode == "none",

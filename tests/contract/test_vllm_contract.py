@@ -412,8 +412,8 @@ def test_engine_checks_the_recipe_environment(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"environment:VLLM_USE_DEEP_GEMM_E8M0: got '1'"):
         VllmEngine(config, PrecisionRecipe())
     monkeypatch.setenv(*E8M0_OFF)
-    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")  # the kernel the config did not choose
-    with pytest.raises(ConfigError, match=r"environment:VLLM_USE_DEEP_GEMM: got '1'.*VLLM_USE_DEEP_GEMM=0"):
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")  # the kernel the config did not choose (auto: DeepGEMM)
+    with pytest.raises(ConfigError, match=r"environment:VLLM_USE_DEEP_GEMM: got '0'.*VLLM_USE_DEEP_GEMM=1"):
         VllmEngine(config, PrecisionRecipe())
 
 

@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.gpu, requires_vllm]
 
 def _run(tmp_path_factory, scenario: str, nproc: int = 1, options: VllmOptions | None = None) -> dict:
     """Launch ``scenario`` with the environment vLLM needs for ``options`` (default VllmOptions()):
-    the launcher's part, as vLLM reads it at import. Set for this launch only, so a DeepGEMM launch
-    leaves later ones on CUTLASS."""
+    the launcher's part, as vLLM reads it at import. Set for this launch only, so the CUTLASS launch
+    leaves later ones on the default GEMM (DeepGEMM)."""
     with pytest.MonkeyPatch.context() as env:
         for var, value in engine_env(PrecisionRecipe(), options or VllmOptions()).items():
             env.setenv(var, value)
@@ -37,7 +37,7 @@ def _run(tmp_path_factory, scenario: str, nproc: int = 1, options: VllmOptions |
 
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory):
-    return _run(tmp_path_factory, "engine_fp8")["engine_fp8"]
+    return _run(tmp_path_factory, "engine_fp8", options=VllmOptions(fp8_gemm="cutlass"))["engine_fp8"]
 
 
 @pytest.fixture(scope="module")

@@ -53,9 +53,9 @@ from tests.gpu.sync_worker import Scenarios as SyncScenarios  # noqa: E402
 
 PROMPT_LENS = (16, 40, 7, 64)
 ENGINE_FP8_OPTIONS = VllmOptions(gpu_memory_utilization=0.25, max_model_len=512, max_num_seqs=64,
-                                 cuda_graph_max_batch=64)
+                                 cuda_graph_max_batch=64, fp8_gemm="cutlass")
 """engine_fp8's engine (and engine_fp8_deep_gemm's, but for the GEMM): CUDA graphs and torch.compile,
-as in production."""
+as in production; CUTLASS's block-FP8 GEMM, the one the exact rollout keeps and DeepGEMM is compared with."""
 
 
 def live_hashes(engine: VllmEngine) -> tuple[dict[str, str], dict[str, tuple[int, int]]]:

@@ -142,9 +142,9 @@ def test_train_refuses_a_plan_over_the_gpu(paths):
 
 def test_backend_env_follows_the_recipe(paths):
     job = load_job(CONFIGS / RECIPES["8b"][0], overrides(paths, "8b"))
-    assert backend_env(job, resolve(job, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "0"}
-    deep = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "rollout.vllm.fp8_gemm=deep_gemm"])
-    assert backend_env(deep, resolve(deep, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "1"}
+    assert backend_env(job, resolve(job, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "1"}
+    cut = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "rollout.vllm.fp8_gemm=cutlass"])
+    assert backend_env(cut, resolve(cut, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "0"}
     hf = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "precision.fp8.pow2_scales=true",
                                                "rollout.engine=hf"])
     assert backend_env(hf, resolve(hf, 8)) == {}  # native backend, hf engine: nothing to set
@@ -153,7 +153,7 @@ def test_backend_env_follows_the_recipe(paths):
     assert backend_env(te, resolve(te, 8)) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
     te_vllm = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te"])
     assert backend_env(te_vllm, resolve(te_vllm, 8)) == {
-        "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "0"}
+        "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "1"}
     # what te cannot do yet is refused when the config loads: the FP8 KV cache's per-step scales
     with pytest.raises(ConfigError, match="actor.fp8_backend.*kv_cache_dtype=auto"):
         load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "actor.fp8_backend=te",
