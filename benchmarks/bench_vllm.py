@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -506,7 +507,8 @@ def table(args) -> str:
         lines.append(f"\n== RL step with vLLM rollout, Qwen3-8B layer shapes ({conf['layers']} layers, responses "
                      f"of {conf['response_len']} tokens, micro-batches of {conf.get('mb_tokens', 4096)} tokens), "
                      "median s over the timed steps (2..) ==")
-        phases = ("generate", "logprobs", "update", "sync", "step")
+        colocate = all(not math.isnan(v) for sec in timed.values() for v in sec.get("colocate", [math.nan]))
+        phases = ("generate", "logprobs", "update", "sync", *(("colocate",) if colocate else ()), "step")
         lines.append(f"{'mode':>10} " + " ".join(f"{p:>9}" for p in phases)
                      + f" {'step range':>15} {'steps':>5} {'tokens/step':>11} {'k3 KL':>9}")
         for mode, r in step.items():
@@ -576,7 +578,7 @@ def _step_seconds(summary: dict) -> dict[str, list[float]]:
 # ------------------------------------------------------------------------------------------ main
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["decode", "sync", "step", "table", "_child"])
     p.add_argument("rest", nargs="*")
@@ -619,6 +621,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--result", type=Path)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     if args.command == "_child":

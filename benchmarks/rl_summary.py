@@ -14,8 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-PHASES = ("generate", "score", "advantages", "logprobs", "update", "sync", "step")
-TABLE_PHASES = ("generate", "logprobs", "update", "sync", "step")
+PHASES = ("generate", "score", "advantages", "logprobs", "update", "sync", "colocate", "step")
+TABLE_PHASES = ("generate", "logprobs", "update", "sync", "colocate", "step")
 """The phases the study and scale tables show (advantages take milliseconds)."""
 
 

@@ -11,6 +11,8 @@
     update     one optimizer step with the policy loss (on-policy); with an exact rollout the
                mismatch metrics come from this step's own forward (the rollout's weights)
     sync       the trainer's weights (its own FP8 bytes and scales) into the engine
+    colocate   the hand-overs of the GPU between them (the engine's wake and sleep, the actor's
+               offload and reload), timed so that a step's seconds are its whole wall time
     evaluate   every run.eval_every steps
 
 then a checkpoint every run.save_every steps, at the end, and when SIGTERM/SIGUSR1 asks (SLURM
@@ -130,13 +132,15 @@ class Trainer:
         """One RL step (see the module docstring); returns its metrics."""
         self.step += 1
         self.timer.reset()
-        self.colocation.rollout_mode()
+        with self._phase("colocate"):  # the engine's wake and the actor's offload: part of the step's wall
+            self.colocation.rollout_mode()
         rollouts = self.collect(self.job.data.prompts_per_step)  # phases generate and score, per round
         with self._phase("advantages"):
             rewards = torch.tensor([r.reward for r in rollouts.responses])
             adv = compute_advantages(self.job.algo.advantage, rewards, self.job.algo.group_size)
             batch = training_batch(rollouts.groups, adv, mask_truncated=self.job.data.overlong.mode == "filter")
-        self.colocation.train_mode()
+        with self._phase("colocate"):
+            self.colocation.train_mode()
         metrics = rollouts.metrics()
         with self._phase("logprobs"):
             batch, extra, kv_scales = self.prepare_update(batch)

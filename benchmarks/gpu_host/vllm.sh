@@ -7,7 +7,7 @@
 #
 #   bash benchmarks/gpu_host/vllm.sh [--tests "engine engine-two rl"] [--decode bf16,fp8,fp8kv] [--cases 64x512,...]
 #                               [--profile] [--sync in_place,update_weights,reload] [--step] [--table]
-#                               [--fp8-gemm cutlass|deep_gemm] [--sync-tp "2:2 2:1"]
+#                               [--fp8-gemm auto|cutlass|deep_gemm] [--sync-tp "2:2 2:1"]
 # --sync-tp: train:rollout TP layouts for --sync (default 1:1; more than one GPU runs under torchrun).
 # --step-modes fp8,bf16,mixed,fp8-vq: the RL-step modes (implies --step); --profile also profiles
 # one more step of each (run.profile_steps). --step-args "ARGS": more bench_vllm.py step arguments,
@@ -32,7 +32,7 @@
 # with TE importable megatron switches its optimizer and norms to TE's, which would change the rest.
 #   carrying call K (1-5): mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK
 set -uo pipefail
-tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=cutlass
+tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=auto
 sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 with_te=0 step_args="" ablation="" decode_args=""
 while [ $# -gt 0 ]; do
   case "$1" in

@@ -164,7 +164,7 @@ def test_loop_runs_logs_and_checkpoints(tmp_path, process_group):
     assert sorted(rows) == [0, 1, 2, 3, 4]
     assert "eval/reward" in rows[0] and "eval/reward" in rows[2] and "eval/reward" in rows[4]
     for key in ("reward/mean", "actor/loss", "actor/clip_fraction", "timing/generate_s", "timing/score_s",
-                "timing/sync_s",
+                "timing/sync_s", "timing/colocate_s",
                 "token_mult_prob_error", "rollout_corr/k3_kl", "perf/tokens_per_s_per_gpu",
                 "dynamic_sampling/rounds"):
         assert key in rows[3], key
@@ -182,7 +182,7 @@ def test_a_profiled_step_writes_its_phases(tmp_path, process_group):
     assert sorted(p.name for p in (tmp_path / "p" / "profiles").iterdir()) == ["step_2.json"]
     profile = json.loads((tmp_path / "p" / "profiles" / "step_2.json").read_text())
     assert profile["step"] == 2 and profile["device"] == "cpu"
-    assert set(profile["phases"]) == {"generate", "score", "advantages", "logprobs", "update", "sync"}
+    assert set(profile["phases"]) == {"colocate", "generate", "score", "advantages", "logprobs", "update", "sync"}
     for phase in profile["phases"].values():
         assert phase["wall_s"] > 0 and phase["kernel_ms"] == 0 and phase["classes_ms"] == {}
 

@@ -376,3 +376,15 @@ def test_scale_summary_plans_vllms_share_of_the_gpu_it_is_given(tmp_path):
     assert r["plan_gib"]["rollout"] == pytest.approx(0.7 * 79.1)
     assert r["plan_gib"]["peak"] >= r["plan_gib"]["rollout"] and r["measured_gib"]["device_used"] == 60.0
     assert r["seconds_per_step"]["step"] == [12.0, 13.0]  # steps 2.., without the profiled one
+
+
+def test_the_gpu_host_script_measures_the_engines_default_fp8_gemm():
+    """vllm.sh passes --fp8-gemm to every bench_vllm call: its default must be the engine's own
+    (a run that meant the default once measured CUTLASS because the script said so)."""
+    import re
+
+    from megatron_jetrl.rollout.vllm_engine import VllmOptions
+
+    script = (ROOT / "benchmarks" / "gpu_host" / "vllm.sh").read_text()
+    assert re.search(r"\bgemm=(\w+)", script).group(1) == VllmOptions().fp8_gemm
+    assert bench_vllm.build_parser().get_default("fp8_gemm") == VllmOptions().fp8_gemm
