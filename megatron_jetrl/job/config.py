@@ -437,6 +437,14 @@ class Resolved:
         return (f", exact rollout with an FP8 KV cache (vLLM prefills a prompt "
                 f"{fp8_kv_query_chunk(d.num_heads, d.num_groups)} tokens a step)")
 
+    @staticmethod
+    def _rollout_gemm_note(job: JobConfig) -> str:
+        """vLLM's block-FP8 GEMM, ``auto`` resolved (DeepGEMM JIT-compiles at a cold start)."""
+        if job.rollout.engine != "vllm" or not job.precision.rollout_fp8:
+            return ""
+        gemm = job.rollout.options.fp8_gemm_for(job.precision.exact)
+        return ", block-FP8 GEMM " + ("DeepGEMM" if gemm == "deep_gemm" else "CUTLASS")
+
     def describe(self, job: JobConfig, gpu_bytes: float | None = None) -> list[str]:
         """The layout and the memory plan (against a GPU of ``gpu_bytes``, when given)."""
         d = self.bridge.dims
@@ -454,7 +462,8 @@ class Resolved:
             + (", Transformer Engine's layers" if job.actor.fp8_backend == "te" else "")
             + (", FP8 WGrad by DeepGEMM into the main grads" if job.actor.fp8_wgrad == "deep_gemm" else ""),
             f"rollout      engine {job.rollout.engine}, TP={self.rollout_tp}, {self.rollout_replicas} replicas, "
-            + ("weights written in place" if job.rollout.options.in_place_weights else "weights through its loaders"),
+            + ("weights written in place" if job.rollout.options.in_place_weights else "weights through its loaders")
+            + self._rollout_gemm_note(job),
             f"batch        {job.data.prompts_per_step} prompts x {job.algo.group_size} samples, "
             f"<= {job.data.train.max_prompt_tokens} + {job.rollout.sampling.max_new_tokens} tokens"
             + (f" (eval prompts <= {job.data.eval.max_prompt_tokens})" if job.data.eval is not None else ""),

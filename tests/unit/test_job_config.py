@@ -154,6 +154,16 @@ def test_the_trainer_line_names_te_layers_and_the_deep_gemm_wgrad():
     assert trainer("actor.fp8_wgrad=deep_gemm").endswith(", FP8 WGrad by DeepGEMM into the main grads")
 
 
+def test_the_rollout_line_names_vllms_fp8_gemm():
+    def rollout(*overrides):
+        return next(x for x in resolve(tiny(*overrides), 1).describe(tiny(*overrides)) if x.startswith("rollout"))
+
+    assert rollout("rollout.engine=vllm").endswith(", block-FP8 GEMM DeepGEMM")
+    assert rollout("rollout.engine=vllm", "rollout.vllm.fp8_gemm=cutlass").endswith(", block-FP8 GEMM CUTLASS")
+    assert "GEMM" not in rollout("rollout.engine=vllm", "precision.mode=bf16")
+    assert "GEMM" not in rollout()  # the hf engine computes with the trainer's own GEMM
+
+
 def test_fp8_kv_cache_scales_need_the_native_layers_in_every_mode():
     """The per-step q/k/v scales come from the native attention; the te backend builds Transformer
     Engine's layers in every precision mode, so BF16 training with FP8 rollout is refused too."""
