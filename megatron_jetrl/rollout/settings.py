@@ -44,12 +44,6 @@ class HfOptions:
         """Tensor-parallel size of one engine: the hf engine runs whole on one GPU."""
         return 1
 
-    def fp8_gemm_for(self, exact: bool) -> Literal["cutlass", "deep_gemm"]:
-        """The block-FP8 GEMM this engine runs (``fp8_gemm`` with ``auto`` resolved)."""
-        if self.fp8_gemm != "auto":
-            return self.fp8_gemm
-        return "cutlass" if exact else "deep_gemm"
-
     @property
     def fp8_kv_cache(self) -> bool:
         return False
@@ -179,12 +173,6 @@ class RolloutSettings:
     def tp(self) -> int:
         """Tensor-parallel size of one rollout engine."""
         return self.options.tp
-
-    def fp8_gemm_for(self, exact: bool) -> Literal["cutlass", "deep_gemm"]:
-        """The block-FP8 GEMM this engine runs (``fp8_gemm`` with ``auto`` resolved)."""
-        if self.fp8_gemm != "auto":
-            return self.fp8_gemm
-        return "cutlass" if exact else "deep_gemm"
 
     @property
     def fp8_kv_cache(self) -> bool:
