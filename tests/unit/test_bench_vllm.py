@@ -388,3 +388,17 @@ def test_the_gpu_host_script_measures_the_engines_default_fp8_gemm():
     script = (ROOT / "benchmarks" / "gpu_host" / "vllm.sh").read_text()
     assert re.search(r"\bgemm=(\w+)", script).group(1) == VllmOptions().fp8_gemm
     assert bench_vllm.build_parser().get_default("fp8_gemm") == VllmOptions().fp8_gemm
+
+
+def test_the_actor_benchmark_refuses_a_depth_over_the_gpu_and_names_one_that_fits():
+    """The memory plan, before anything is built: 12 layers of Qwen3-8B widths ran out of an H100
+    (79 GiB) in BF16; 16 fit an H200."""
+    import argparse
+
+    from benchmarks.bench_actor_step import check_memory
+
+    args = argparse.Namespace(model="qwen3-8b", layers=12, modes="bf16,fp8", tp=1, mb_tokens=8192, seq_len=4096)
+    with pytest.raises(SystemExit, match=r"^bench_actor_step: --layers 12: the trainer needs ~\d+ GiB .* "
+                                         r"this GPU has 79 GiB: use --layers 9 \(or --skip-memory-check\)$"):
+        check_memory(args, 79.2)
+    check_memory(argparse.Namespace(**{**vars(args), "layers": 16}), 139.8)  # fits: returns
