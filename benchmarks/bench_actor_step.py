@@ -103,8 +103,6 @@ def speedups(by_mode: Mapping[str, Mapping]) -> dict[str, Figure]:
 
 
 def run_mode(mode: str, args, bridge) -> dict:
-    if mode not in MODES:
-        raise SystemExit(f"bench_actor_step: --modes {mode!r}: one of {', '.join(MODES)}")
     precision, backend, wgrad = MODES[mode]
     settings = ActorSettings(
         parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
@@ -198,7 +196,7 @@ def kernel_split(step) -> dict[str, dict[str, float]]:
     return {"classes": by_class(kernels, KERNEL_CLASSES), "top": top, "ops": ops}
 
 
-def trainer_gib(model: str, layers: int, mode: str, args) -> float:
+def trainer_gib(layers: int, mode: str, args) -> float:
     """The memory plan's trainer bytes (``job/estimate.py``: weights, fp32 grads and Adam, FP8
     copies, activations) of ``mode`` at ``layers``, in GiB, with the ~5 % the measured peaks add to
     it: at 16 layers of Qwen3-8B widths the plan says 99 / 105 GiB (BF16 / FP8) where an H200 measured
@@ -208,7 +206,7 @@ def trainer_gib(model: str, layers: int, mode: str, args) -> float:
 
     settings = ActorSettings(parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
                              precision=PrecisionRecipe(mode=MODES[mode][0]), max_tokens_per_microbatch=args.mb_tokens)
-    plan = estimate_memory(bridge_for(qwen3_shaped(model, layers)), settings, RolloutSettings(offload_actor=True),
+    plan = estimate_memory(bridge_for(qwen3_shaped(args.model, layers)), settings, RolloutSettings(offload_actor=True),
                            args.seq_len, args.tp)
     return PEAK_OVER_PLAN * plan.trainer_total / GiB
 
@@ -220,11 +218,11 @@ PEAK_OVER_PLAN = 1.05
 def check_memory(args, capacity_gib: float) -> None:
     """Stop before building anything when a mode's plan is over the GPU, naming the layer count that fits."""
     modes = args.modes.split(",")
-    need = max(trainer_gib(args.model, args.layers, m, args) for m in modes)
+    need = max(trainer_gib(args.layers, m, args) for m in modes)
     if need <= capacity_gib:
         return
     fits = next((n for n in range(args.layers - 1, 0, -1)
-                 if max(trainer_gib(args.model, n, m, args) for m in modes) <= capacity_gib), None)
+                 if max(trainer_gib(n, m, args) for m in modes) <= capacity_gib), None)
     fix = f"use --layers {fits}" if fits else "use a larger GPU or --tp"
     raise SystemExit(f"bench_actor_step: --layers {args.layers}: the trainer needs ~{need:.0f} GiB per GPU (memory "
                      f"plan) and this GPU has {capacity_gib:.0f} GiB: {fix} (or --skip-memory-check)")
