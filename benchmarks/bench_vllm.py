@@ -463,8 +463,7 @@ def table(args) -> str:
             lines.append(f"(cut off before all cases finished: {', '.join(cut)}; missing cases show nan)")
         target = args.headline_case
         if "bf16" in decode and target in decode["bf16"]["cases"]:
-            # CUTLASS (the engine's default FP8 GEMM) under the issue's keys; DeepGEMM under its own
-            for m in ("fp8", "fp8kv", "fp8-deep_gemm", "fp8kv-deep_gemm"):
+            for m in ("fp8-deep_gemm", "fp8kv-deep_gemm"):  # the engine's default GEMM; CUTLASS: the table only
                 if m in decode and target in decode[m]["cases"]:
                     headline[f"vllm_decode_{m.replace('-', '_')}_over_bf16"] = (
                         Figure.ratio(_tok_s(decode[m], target), _tok_s(decode["bf16"], target)), decode[m])
@@ -543,6 +542,11 @@ def table(args) -> str:
                     top = ", ".join(f"{c} {ms:.0f}" for c, ms in list(ph["classes_ms"].items())[:5])
                     lines.append(f"   {phase:<11} wall {ph['wall_s']:>7.3f} s, "
                                  f"kernels {ph['kernel_ms']:>8.1f} ms: {top}")
+                    host = ph.get("host")
+                    if host and phase in HOST_PHASES:
+                        own = ", ".join(f"{f} {sec:.2f}" for f, sec in list(host["self_s"].items())[:HOST_TOP])
+                        lines.append(f"   {'':<11} host s by function (own time): {own}; "
+                                     f"GC {host['gc_s']:.2f} s in {host['gc_collections']} collections")
     if args.headline and headline:
         from benchmarks.headline import update
 
@@ -558,6 +562,8 @@ def table(args) -> str:
     return "\n".join(lines)
 
 
+HOST_PHASES, HOST_TOP = ("generate", "logprobs", "update"), 6
+"""The profiled step's phases whose host split the table shows, and how many functions of each."""
 EXACT_CASE = "128x2048"
 """The decode case of ``vllm_exact_decode_over_default``."""
 LEGACY_COMMAND = "python -m benchmarks.bench_vllm (its arguments were not recorded with this result)"

@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -187,6 +187,23 @@ def llm_kwargs(model_path: str | Path, hf_config: Mapping[str, Any], recipe: Pre
     return vllm_exact.llm_kwargs(kwargs, hf_config) if recipe.exact else kwargs
 
 
+def model_dir(hf_config: Mapping[str, Any], cache_root: Path) -> Path:
+    """The directory vLLM reads the architecture from: the config alone, in
+    ``<cache_root>/jetrl-models/<digest of the config>``. vLLM keys its compile cache by the model's
+    path, among the rest, so the same architecture finds its compiled graphs at the next engine start
+    (a new directory each start recompiled every time: ~30 s at 8B). Written atomically; processes
+    of one node that write the same config write the same bytes."""
+    text = json.dumps(dict(hf_config), sort_keys=True)
+    path = cache_root / "jetrl-models" / hashlib.sha256(text.encode()).hexdigest()[:16]
+    config = path / "config.json"
+    if not config.is_file() or config.read_text() != text:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".config.json.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, config)
+    return path
+
+
 def samples_from_outputs(outputs: Sequence[Any], n: int) -> list[Sample]:
     """vLLM ``RequestOutput``s (one per prompt, in prompt order) -> prompt-major ``Sample``s."""
     samples = []
@@ -202,9 +219,19 @@ def samples_from_outputs(outputs: Sequence[Any], n: int) -> list[Sample]:
             tokens = list(c.token_ids)
             if c.logprobs is None or len(c.logprobs) != len(tokens):
                 raise RuntimeError(f"vLLM returned no logprob for some tokens of sample {c.index} of prompt {i}")
-            logprobs = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
+            logprobs = _sampled_logprobs(c.logprobs, tokens)
             samples.append(Sample(prompt_index=i, tokens=tokens, logprobs=logprobs, finish_reason=reason))
     return samples
+
+
+def _sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
+    """The sampled tokens' logprobs from a completion's ``logprobs``: vLLM's ``FlatLogprobs`` (flat
+    lists, one entry a position when only the sampled token's is asked for: read as they are) or a
+    list of ``{token: Logprob}`` per position."""
+    flat_tokens = getattr(logprobs, "token_ids", None)
+    if flat_tokens is not None and list(flat_tokens) == tokens:
+        return [float(lp) for lp in logprobs.logprobs]
+    return [float(logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
 
 
 def _check_no_requantization(vllm_module: ModuleType) -> None:
@@ -262,10 +289,9 @@ class VllmEngine:
         self._vllm = vllm
         self._llm = None
         self._awake = {"weights": True, "kv_cache": True}
-        self._model_dir = tempfile.mkdtemp(prefix="jetrl-vllm-model-")
-        """vLLM reads the architecture from a directory: the config alone, written here."""
+        self._model_dir: Optional[Path] = None
         try:
-            (Path(self._model_dir) / "config.json").write_text(json.dumps(config))
+            self._model_dir = model_dir(config, Path(importlib.import_module("vllm.envs").VLLM_CACHE_ROOT))
             if (recipe.rollout_fp8 and options.activation_quant == "trainer") or recipe.exact:
                 vllm_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon, exact=recipe.exact)
             if recipe.exact:
@@ -389,8 +415,7 @@ class VllmEngine:
             gc.collect()
             if mapped:
                 _release_cumem_pools()
-        if self._model_dir is not None:
-            shutil.rmtree(self._model_dir, ignore_errors=True)
+        if self._model_dir is not None:  # the directory stays: the next start's compile cache names it
             self._model_dir = None
             vllm_quant.uninstall()  # a later engine of this process chooses again
             vllm_exact.uninstall()
@@ -459,6 +484,7 @@ class VllmEngine:
             ignore_eos=True,
             seed=None if s.seed is None else s.seed + prompt * s.n,
             logprobs=0,
+            flat_logprobs=True,  # a few lists a sample, not a dict and a Logprob a token: less host time and GC
             detokenize=False,
             skip_special_tokens=False,
         )

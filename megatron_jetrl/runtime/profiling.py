@@ -8,12 +8,20 @@ profiler's overhead; compare the kernel milliseconds, not the step time, with ot
 result, ``<run dir>/profiles/step_<N>.json`` (rank 0), holds per phase the wall seconds, the kernel
 milliseconds by class (``STEP_KERNEL_CLASSES``) and the 12 longest kernels. On a CPU device only
 the wall seconds are recorded.
+
+The host's side of a profiled phase (``HostSampler``): where the main thread spent the phase's wall
+time, by Python function, sampled from a background thread (the in-process vLLM engine's scheduler,
+model runner and output processing all run on it), and the time Python's garbage collector took.
+A phase whose wall time exceeds its kernel time is host-bound; these say on what.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -71,6 +79,93 @@ def by_class(kernels: dict[str, float], classes: Sequence[tuple[str, str]]) -> d
     return out
 
 
+def _where(code) -> str:
+    """A function as ``package/module.py:name`` (the file's last two path parts)."""
+    parts = code.co_filename.replace("\\", "/").rsplit("/", 2)
+    return f"{'/'.join(parts[-2:])}:{code.co_name}"
+
+
+class HostSampler:
+    """Where a thread's wall time goes, by Python function: a daemon thread reads the thread's stack
+    every ``interval`` seconds and gives the time since its previous look to the function on top
+    (``self``) and to every function on the stack (``inclusive``). A look waits for the GIL, so a
+    stretch of Python without a release is seen late but still counted whole; a thread blocked in a
+    CUDA synchronization shows the Python function that waits; a garbage collection shows as
+    ``(garbage collection)``. Only the frames below the one that entered the sampler count (the
+    callers' are on every sample). Also counts the collections and their seconds. Use as a context
+    manager around the work, on the thread it samples, then ``result()``."""
+
+    GC = "(garbage collection)"
+
+    def __init__(self, interval: float = 0.002):
+        self.interval = interval
+        self._target = threading.current_thread().ident
+        self._outside: frozenset = frozenset()
+        self.self_s: dict[str, float] = {}
+        self.inclusive_s: dict[str, float] = {}
+        self.sampled_s = 0.0
+        self.gc_s = 0.0
+        self.gc_collections = 0
+        self._gc_start: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "HostSampler":
+        frame, outside = sys._getframe(1), set()
+        while frame is not None:  # held (not their ids, which a later frame may reuse) until exit
+            outside.add(frame)
+            frame = frame.f_back
+        self._outside = frozenset(outside)
+        gc.callbacks.append(self._on_gc)
+        self._thread = threading.Thread(target=self._run, name="jetrl-host-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        gc.callbacks.remove(self._on_gc)
+        self._outside = frozenset()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_s += time.perf_counter() - self._gc_start
+            self.gc_collections += 1
+            self._gc_start = None
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self._target)
+            now = time.perf_counter()
+            dt, last = now - last, now
+            if frame is None or self._stop.is_set():  # the thread has left the work (exit joins this one)
+                continue
+            self.sampled_s += dt
+            if frame.f_code is self._on_gc.__code__:
+                top, frame = self.GC, frame.f_back
+            else:
+                top = _where(frame.f_code)
+            self.self_s[top] = self.self_s.get(top, 0.0) + dt
+            seen = set()
+            while frame is not None and frame not in self._outside:
+                seen.add(_where(frame.f_code))
+                frame = frame.f_back
+            for where in seen:
+                self.inclusive_s[where] = self.inclusive_s.get(where, 0.0) + dt
+
+    def result(self, top: int = 15) -> dict:
+        """The sampled seconds, the ``top`` functions by their own and by inclusive seconds, and the
+        garbage collector's seconds and collections."""
+        def largest(d: dict[str, float]) -> dict[str, float]:
+            return dict(sorted(d.items(), key=lambda kv: -kv[1])[:top])
+
+        return {"sampled_s": self.sampled_s, "gc_s": self.gc_s, "gc_collections": self.gc_collections,
+                "self_s": largest(self.self_s), "inclusive_s": largest(self.inclusive_s)}
+
+
 class StepProfiler:
     """Kernel time of the chosen steps, per phase (see the module docstring)."""
 
@@ -87,18 +182,21 @@ class StepProfiler:
             yield
             return
         cuda = self.device.type == "cuda"
-        record = self._phases.setdefault(name, {"wall_s": 0.0, "kernels_ms": {}})
+        record = self._phases.setdefault(name, {"wall_s": 0.0, "kernels_ms": {}, "host": []})
         start = time.perf_counter()
         if not cuda:
-            yield
+            with HostSampler() as host:
+                yield
             record["wall_s"] += time.perf_counter() - start
+            record["host"].append(host)
             return
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof, HostSampler() as host:
             yield
             torch.cuda.synchronize(self.device)
         record["wall_s"] += time.perf_counter() - start
+        record["host"].append(host)
         for kernel, ms in kernel_ms(prof).items():
             record["kernels_ms"][kernel] = record["kernels_ms"].get(kernel, 0.0) + ms
 
@@ -113,10 +211,26 @@ class StepProfiler:
             classes = by_class(kernels, STEP_KERNEL_CLASSES)
             phases[name] = {"wall_s": r["wall_s"], "kernel_ms": sum(kernels.values()),
                             "classes_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
-                            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])}
+                            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12]),
+                            "host": _merged_host(r["host"])}
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         path = Path(run_dir) / "profiles" / f"step_{step}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_json_atomic(path, {"step": step, "device": device, "phases": phases})
         self._phases = {}
         return path
+
+
+def _merged_host(samplers: Sequence[HostSampler]) -> dict:
+    """One phase's host samples (a phase entered more than once: its samplers added up)."""
+    if len(samplers) == 1:
+        return samplers[0].result()
+    total = HostSampler()
+    for h in samplers:
+        for mine, theirs in ((total.self_s, h.self_s), (total.inclusive_s, h.inclusive_s)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0.0) + v
+        total.sampled_s += h.sampled_s
+        total.gc_s += h.gc_s
+        total.gc_collections += h.gc_collections
+    return total.result()

@@ -16,7 +16,7 @@ vllm = pytest.importorskip("vllm", reason="vllm not installed; runs in the vLLM 
 
 import torch
 import torch.multiprocessing as mp
-from vllm.logprobs import Logprob
+from vllm.logprobs import FlatLogprobs, Logprob, create_sample_logprobs
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
 from vllm.config import set_current_vllm_config
@@ -117,6 +117,7 @@ def test_sampling_maps_to_valid_vllm_params():
     assert isinstance(p, vllm.SamplingParams)
     assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens) == (3, 0.7, 0.9, 0, 12)
     assert p.stop_token_ids == [7, 9] and p.ignore_eos and p.logprobs == 0 and not p.detokenize
+    assert p.flat_logprobs  # vLLM keeps the logprobs in flat lists (few objects for the GC)
     assert p.seed == 5 + 2 * 3
     top4 = engine._vllm_sampling(SamplingParams(top_k=4), prompt=0)
     assert top4.top_k == 4 and top4.seed is None
@@ -146,6 +147,23 @@ def test_samples_from_vllm_outputs():
     outputs[1].outputs[0].finish_reason = "abort"
     with pytest.raises(RuntimeError, match="'abort'"):
         samples_from_outputs(outputs, n=2)
+
+
+def test_samples_from_flat_vllm_logprobs():
+    """``flat_logprobs=True`` (what the engine asks for) returns ``FlatLogprobs``: one entry a position
+    with ``logprobs=0``, read as the flat list it is."""
+    def completion(index, tokens, logprobs):
+        flat = create_sample_logprobs(flat_logprobs=True)
+        for t, lp in zip(tokens, logprobs, strict=True):
+            flat.append({t: Logprob(lp, rank=3)})
+        return CompletionOutput(index=index, text="", token_ids=tokens, cumulative_logprob=sum(logprobs),
+                                logprobs=flat, finish_reason="length")
+
+    outputs = [RequestOutput("0", None, [1], None, [completion(0, [5, 6, 5], [-0.5, -0.25, -4.0])], True)]
+    flat = outputs[0].outputs[0].logprobs
+    assert isinstance(flat, FlatLogprobs) and len(flat) == 3
+    (sample,) = samples_from_outputs(outputs, n=1)
+    assert sample.tokens == [5, 6, 5] and sample.logprobs == [-0.5, -0.25, -4.0]
 
 
 # -- vLLM's model classes and loaders ----------------------------------------------------------------
@@ -550,3 +568,26 @@ def test_trainer_activation_quant_is_the_default_and_off_for_vllm_and_bf16(tmp_p
     assert own.compilation_config.pass_config.fuse_norm_quant is not False  # vLLM decides
     bf16 = cpu_vllm_config(model_dir, PrecisionRecipe(mode=PrecisionMode.BF16), VllmOptions(activation_quant="trainer"))
     assert bf16.quant_config is None
+
+
+def test_the_model_directory_is_named_by_the_config(tmp_path):
+    """vLLM keys its compile cache by the model's path (the config hash below differs between two
+    directories of one config): the same config gets the same directory, so the next engine start
+    finds its compiled graphs; another config gets another one."""
+    from megatron_jetrl.rollout.vllm_engine import model_dir
+
+    config = tiny_model("Qwen3ForCausalLM").config.to_dict()
+    first = model_dir(config, tmp_path / "cache")
+    assert first == model_dir(dict(reversed(list(config.items()))), tmp_path / "cache")  # key order: no matter
+    assert json.loads((first / "config.json").read_text()) == json.loads(json.dumps(config))
+    assert first.parent == tmp_path / "cache" / "jetrl-models" and [p.name for p in first.iterdir()] == ["config.json"]
+    deeper = model_dir({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}, tmp_path / "cache")
+    assert deeper != first and deeper.parent == first.parent
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text((first / "config.json").read_text())
+    recipe = PrecisionRecipe(mode=PrecisionMode.BF16)
+    hashes = [cpu_vllm_config(d, recipe).compute_hash() for d in (first, model_dir(config, tmp_path / "cache"),
+                                                                  elsewhere)]
+    assert hashes[0] == hashes[1] != hashes[2]

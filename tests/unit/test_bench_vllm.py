@@ -34,6 +34,10 @@ def test_headline_update_keeps_other_keys_and_refuses_non_numbers(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["headline.json"]  # no temporary left
     k3 = update(path, {"vllm_k3_fp8_8b6": Figure.of([2.345678e-7])}, device="GPU", command="x")["vllm_k3_fp8_8b6"]
     assert k3["value"] == 2.3457e-7  # not 0.0
+    retired = {**json.loads(path.read_text()), "vllm_decode_fp8_over_bf16": a}  # a key KEYS no longer lists
+    path.write_text(json.dumps(retired))
+    update(path, {"vllm_sync_8b_s": Figure.of([1.0])}, device="GPU", command="x")
+    assert set(json.loads(path.read_text())) == {"linear_fp8_over_bf16", "vllm_sync_8b_s", "vllm_k3_fp8_8b6"}
 
 
 def test_merge_copies_a_runs_entries_and_refuses_hand_made_ones(tmp_path):
@@ -124,7 +128,9 @@ def test_table_ratios_and_headline(tmp_path):
          "in_place_tensors": 5, "tensors": 6, "device": "GPU X"}))
     phases = {"generate": 2.0, "logprobs": 1.0, "update": 1.0, "sync": 0.1, "step": 4.0}
     profile = {"step": 5, "device": "GPU X", "phases": {"generate": {
-        "wall_s": 2.5, "kernel_ms": 900.0, "classes_ms": {"gemm": 500.0, "attention": 400.0}, "top_kernels_ms": {}}}}
+        "wall_s": 2.5, "kernel_ms": 900.0, "classes_ms": {"gemm": 500.0, "attention": 400.0}, "top_kernels_ms": {},
+        "host": {"sampled_s": 2.4, "gc_s": 0.25, "gc_collections": 7, "inclusive_s": {},
+                 "self_s": {"engine/output_processor.py:process_outputs": 0.5, "gpu/model_runner.py:execute": 0.4}}}}}
 
     def run(step_s: list[float], **more):
         per_step = {p: [v] * len(step_s) for p, v in phases.items()}
@@ -140,8 +146,7 @@ def test_table_ratios_and_headline(tmp_path):
     assert "fp8-deep_gemm/bf16" in text and "1.40x" in text  # DeepGEMM 700/500
     data = json.loads(headline.read_text())
     got = {k: v["value"] for k, v in data.items()}
-    assert got == {"vllm_decode_fp8_over_bf16": 1.2, "vllm_decode_fp8kv_over_bf16": 1.6,
-                   "vllm_decode_fp8_deep_gemm_over_bf16": 1.4, "vllm_sync_8b_s": 0.2, "vllm_engine_start_s": 90.0,
+    assert got == {"vllm_decode_fp8_deep_gemm_over_bf16": 1.4, "vllm_sync_8b_s": 0.2, "vllm_engine_start_s": 90.0,
                    "rl_step_vllm_fp8_over_bf16": 1.25, "rl_step_vllm_fp8kv_over_bf16": 1.6,
                    "rl_generate_fp8_over_bf16": 1.0}
     assert data["rl_step_vllm_fp8_over_bf16"]["spread"] == [1.25, 1.3333]  # paired step by step: 4/3.2 .. 4/3
@@ -153,6 +158,8 @@ def test_table_ratios_and_headline(tmp_path):
     assert "bf16/fp8kv" in text and "1.60x" in text.split("bf16/fp8kv")[1].splitlines()[0]
     assert "kernel time of step 5 (fp8, profiled)" in text and "kernels    900.0 ms: gemm 500, attention 400" in text
     assert "warm start s" not in text  # no result has one: no row
+    assert ("host s by function (own time): engine/output_processor.py:process_outputs 0.50, "
+            "gpu/model_runner.py:execute 0.40; GC 0.25 s in 7 collections") in text
 
 
 def test_a_warm_start_is_a_row_and_the_headline_engine_start(tmp_path):

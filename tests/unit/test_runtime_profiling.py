@@ -56,3 +56,45 @@ def test_kernel_ms_counts_kernels_not_the_operators_that_launched_them():
               SimpleNamespace(key="cudaGraphLaunch", device_type=cuda, device_time_total=70.0)]
     prof = SimpleNamespace(key_averages=lambda: events)
     assert kernel_ms(prof) == {"vectorized_elementwise_kernel<mul>": 0.5}
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _wait(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_host_sampler_splits_the_wall_time_by_function_and_times_the_gc():
+    import gc
+
+    from megatron_jetrl.runtime.profiling import HostSampler
+
+    start = time.perf_counter()
+    with HostSampler(interval=0.001) as host:
+        _spin(0.3)
+        _wait(0.2)
+        gc.collect()
+    wall = time.perf_counter() - start
+    result = host.result()
+    me = "unit/test_runtime_profiling.py"
+    assert 0.7 * wall <= result["sampled_s"] <= wall
+    assert 0.2 <= result["inclusive_s"][f"{me}:_spin"] <= 0.4  # a Python stretch, counted whole
+    assert 0.12 <= result["self_s"][f"{me}:_wait"] <= 0.3  # blocked: the waiting function on top
+    assert set(result["inclusive_s"]) == {f"{me}:_spin", f"{me}:_wait"}  # the callers' frames: on every sample
+    assert result["gc_collections"] >= 1 and result["gc_s"] > 0
+    assert result["self_s"].get(HostSampler.GC, 0.0) <= result["gc_s"] + 0.01
+    assert len(result["self_s"]) <= 15
+
+
+def test_a_profiled_phase_records_the_host_split(tmp_path):
+    profiler = StepProfiler((1,), torch.device("cpu"))
+    for _ in range(2):
+        with profiler.phase(1, "generate"):
+            _spin(0.05)
+    host = json.loads(profiler.write(1, tmp_path).read_text())["phases"]["generate"]["host"]
+    assert set(host) == {"sampled_s", "gc_s", "gc_collections", "self_s", "inclusive_s"}
+    assert host["inclusive_s"]["unit/test_runtime_profiling.py:_spin"] >= 0.05  # both entries added up
