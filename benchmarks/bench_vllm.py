@@ -30,9 +30,10 @@ engine's bytes over the GPU's copy bandwidth measured in the same process.
 
 step: ``jetrl train benchmarks/configs/qwen3_8b_dims.yaml`` (6 of Qwen3-8B's layers, its vocab, 16
 prompts x 8 samples x 512 tokens) with ``rollout.engine=vllm`` and ``rollout.sampling.ignore_eos=true``
-(every response ``max_new_tokens`` long), per mode of ``--step-modes``; step 1 warms up, the next
-``--step-steps`` are timed: the median seconds per phase and the range. A ratio becomes a headline
-figure only when every mode generated the same tokens at every timed step.
+(every response ``max_new_tokens`` long), per mode of ``--step-modes``; step 1 warms up (and step 2
+with ``--step-offload``: ``step_warmup``), the next ``--step-steps`` are timed: the median seconds
+per phase and the range. A ratio becomes a headline figure only when every mode generated the same
+tokens at every timed step.
 
 table: every result in ``--work`` as one table; with ``--headline`` their figures are merged into
 the headline file (medians of the repeats, paired spreads, each result's device and command).
@@ -377,7 +378,8 @@ def step_runs(args) -> dict:
     from benchmarks.rl_summary import summarise
 
     results = {}
-    steps = 1 + args.step_steps + (1 if args.profile else 0)  # step 1 warms up (CUDA graphs, allocator)
+    warmup = step_warmup(args)
+    steps = warmup + args.step_steps + (1 if args.profile else 0)
     for mode in args.step_modes.split(","):
         run_dir = Path(args.work) / f"step_{mode}"
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -400,7 +402,7 @@ def step_runs(args) -> dict:
         if rc != 0 or not metrics.is_file():
             print("\n".join((Path(args.work) / f"step_{mode}.log").read_text(errors="replace").splitlines()[-40:]))
             continue
-        results[mode] = summarise(metrics, untimed=(steps,) if args.profile else ())
+        results[mode] = summarise(metrics, untimed=(*range(2, warmup + 1), *((steps,) if args.profile else ())))
         results[mode]["config"] = step_config(run_dir)
         results[mode]["command"] = command_line("benchmarks.bench_vllm")
         results[mode]["device"] = _gpu_name()
@@ -409,6 +411,14 @@ def step_runs(args) -> dict:
             results[mode]["profile"] = json.loads(profile.read_text())
     (Path(args.work) / "step.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+def step_warmup(args) -> int:
+    """Steps a step run takes before the timed ones: the first (CUDA graphs, compiles, the caching
+    allocator) and, with the actor offloaded during rollout, the second: its offload is the first with
+    the optimizer's state (made by step 1's update), whose pinned host buffers are allocated then,
+    once (40 s for 16 layers at 8B widths on an H200; 2.5 s at every later step)."""
+    return 2 if args.step_offload else 1
 
 
 def step_config(run_dir: Path) -> dict:
@@ -505,7 +515,7 @@ def table(args) -> str:
         timed = {mode: _step_seconds(r) for mode, r in step.items()}
         lines.append(f"\n== RL step with vLLM rollout, Qwen3-8B layer shapes ({conf['layers']} layers, responses "
                      f"of {conf['response_len']} tokens, micro-batches of {conf.get('mb_tokens', 4096)} tokens), "
-                     "median s over the timed steps (2..) ==")
+                     "median s over the timed steps ==")
         colocate = all(not math.isnan(v) for sec in timed.values() for v in sec.get("colocate", [math.nan]))
         phases = ("generate", "logprobs", "update", "sync", *(("colocate",) if colocate else ()), "step")
         lines.append(f"{'mode':>10} " + " ".join(f"{p:>9}" for p in phases)

@@ -409,3 +409,38 @@ def test_the_actor_benchmark_refuses_a_depth_over_the_gpu_and_names_one_that_fit
                                          r"this GPU has 79 GiB: use --layers 9 \(or --skip-memory-check\)$"):
         check_memory(args, 79.2)
     check_memory(argparse.Namespace(**{**vars(args), "layers": 16}), 139.8)  # fits: returns
+
+
+def test_an_offloaded_step_run_warms_up_two_steps(tmp_path, monkeypatch):
+    """With --step-offload, step 2's offload is the first with the optimizer's state (it pins host
+    memory for it, once): steps 1 and 2 warm up, the timed ones follow, the profiled one is last."""
+    import subprocess
+
+    import yaml
+
+    from megatron_jetrl.job import load_job
+
+    seen = {}
+
+    def fake_run(cmd, env, stdout, stderr, timeout):
+        over = dict(a.split("=", 1) for a in cmd if "=" in a and not a.startswith("-"))
+        seen["cmd"] = cmd
+        run_dir = Path(over["run.dir"])
+        run_dir.mkdir(parents=True)
+        job = load_job(ROOT / "benchmarks/configs/qwen3_8b_dims.yaml", ["rollout.offload_actor=true"])
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
+        rows = [{"step": s, "timing/step_s": 10.0 * s, "timing/colocate_s": 40.0 if s == 2 else 2.0,
+                 "perf/tokens_per_step": 100.0} for s in range(1, int(over["run.steps"]) + 1)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench_vllm.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_vllm, "_gpu_name", lambda: "GPU X")
+    args = bench_vllm.build_parser().parse_args(["step", "--step-modes", "fp8", "--step-offload", "--profile",
+                                                 "--work", str(tmp_path)])
+    result = bench_vllm.step_runs(args)["fp8"]
+    assert "run.steps=6" in seen["cmd"] and "run.profile_steps=[6]" in seen["cmd"]
+    assert result["seconds_per_step"]["step"] == [30.0, 40.0, 50.0]  # steps 3, 4, 5
+    assert result["seconds_per_step"]["colocate"] == [2.0, 2.0, 2.0]
+    args = bench_vllm.build_parser().parse_args(["step", "--step-modes", "fp8", "--work", str(tmp_path)])
+    assert bench_vllm.step_warmup(args) == 1
