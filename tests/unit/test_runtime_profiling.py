@@ -73,6 +73,7 @@ def test_host_sampler_splits_the_wall_time_by_function_and_times_the_gc():
 
     from megatron_jetrl.runtime.profiling import HostSampler
 
+    gc.collect()  # the garbage of earlier tests (its finalizers would run inside the sampled work)
     start = time.perf_counter()
     with HostSampler(interval=0.001) as host:
         _spin(0.3)
@@ -81,12 +82,13 @@ def test_host_sampler_splits_the_wall_time_by_function_and_times_the_gc():
     wall = time.perf_counter() - start
     result = host.result()
     me = "unit/test_runtime_profiling.py"
-    assert 0.7 * wall <= result["sampled_s"] <= wall
-    assert 0.2 <= result["inclusive_s"][f"{me}:_spin"] <= 0.4  # a Python stretch, counted whole
-    assert 0.12 <= result["self_s"][f"{me}:_wait"] <= 0.3  # blocked: the waiting function on top
-    assert set(result["inclusive_s"]) == {f"{me}:_spin", f"{me}:_wait"}  # the callers' frames: on every sample
+    assert 0.7 * wall <= result["sampled_s"] <= wall, result
+    assert 0.2 <= result["inclusive_s"][f"{me}:_spin"] <= 0.4, result  # a Python stretch, counted whole
+    assert 0.12 <= result["self_s"][f"{me}:_wait"] <= 0.3, result  # blocked: the waiting function on top
+    callers = [f for f in result["inclusive_s"] if f.startswith(("_pytest/", "pluggy/", f"{me}:test_"))]
+    assert not callers, result  # the frames that entered the sampler are on every sample: left out
     assert result["gc_collections"] >= 1 and result["gc_s"] > 0
-    assert result["self_s"].get(HostSampler.GC, 0.0) <= result["gc_s"] + 0.01
+    assert result["self_s"].get(HostSampler.GC, 0.0) <= result["gc_s"] + 0.01, result
     assert len(result["self_s"]) <= 15
 
 
