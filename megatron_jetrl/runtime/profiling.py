@@ -6,8 +6,8 @@ under its own ``torch.profiler`` profile of CUDA activity: the kernels of the ro
 in-process vLLM, CUDA graphs included) and of the trainer alike. Its seconds include the
 profiler's overhead; compare the kernel milliseconds, not the step time, with other steps. The
 result, ``<run dir>/profiles/step_<N>.json`` (rank 0), holds per phase the wall seconds, the kernel
-milliseconds by class (``STEP_KERNEL_CLASSES``) and the 12 longest kernels. On a CPU device only
-the wall seconds are recorded.
+milliseconds by class (``STEP_KERNEL_CLASSES``), the 12 longest kernels and the host's side (below).
+On a CPU device there are no kernels to record.
 
 The host's side of a profiled phase (``HostSampler``): where the main thread spent the phase's wall
 time, by Python function, sampled from a background thread (the in-process vLLM engine's scheduler,
