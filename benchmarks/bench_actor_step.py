@@ -102,14 +102,19 @@ def speedups(by_mode: Mapping[str, Mapping]) -> dict[str, Figure]:
             for key, (base, measured, timings) in RATIOS.items() if base in by_mode and measured in by_mode}
 
 
-def run_mode(mode: str, args, bridge) -> dict:
+def actor_settings(mode: str, args) -> ActorSettings:
+    """The actor of ``mode`` as the benchmark builds it (and plans its memory)."""
     precision, backend, wgrad = MODES[mode]
-    settings = ActorSettings(
+    return ActorSettings(
         parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
         precision=PrecisionRecipe(mode=precision), max_tokens_per_microbatch=args.mb_tokens,
         optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend, fp8_wgrad=wgrad, logprob_impl=args.logprob_impl,
     )
-    actor = Actor(bridge, settings)
+
+
+def run_mode(mode: str, args, bridge) -> dict:
+    precision, backend, _ = MODES[mode]
+    actor = Actor(bridge, actor_settings(mode, args))
     if backend == "te" and any(isinstance(m, PackedCoreAttention) for m in actor.gpt.modules()):
         actor.close()
         raise SystemExit(f"bench_actor_step: --modes {mode}: actor.fp8_backend=te with precision.mode {precision} "
@@ -204,10 +209,8 @@ def trainer_gib(layers: int, mode: str, args) -> float:
     from megatron_jetrl.job.estimate import GiB, estimate_memory
     from megatron_jetrl.rollout.settings import RolloutSettings
 
-    settings = ActorSettings(parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
-                             precision=PrecisionRecipe(mode=MODES[mode][0]), max_tokens_per_microbatch=args.mb_tokens)
-    plan = estimate_memory(bridge_for(qwen3_shaped(args.model, layers)), settings, RolloutSettings(offload_actor=True),
-                           args.seq_len, args.tp)
+    plan = estimate_memory(bridge_for(qwen3_shaped(args.model, layers)), actor_settings(mode, args),
+                           RolloutSettings(offload_actor=True), args.seq_len, args.tp)
     return PEAK_OVER_PLAN * plan.trainer_total / GiB
 
 

@@ -289,14 +289,15 @@ class VllmEngine:
         self._vllm = vllm
         self._llm = None
         self._awake = {"weights": True, "kv_cache": True}
-        self._model_dir: Optional[Path] = None
+        self._open = True
+        """Until ``close``: the engine (or what of it was built) and the hooks it installed into vLLM."""
         try:
-            self._model_dir = model_dir(config, Path(importlib.import_module("vllm.envs").VLLM_CACHE_ROOT))
+            path = model_dir(config, Path(importlib.import_module("vllm.envs").VLLM_CACHE_ROOT))
             if (recipe.rollout_fp8 and options.activation_quant == "trainer") or recipe.exact:
                 vllm_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon, exact=recipe.exact)
             if recipe.exact:
                 vllm_exact.install()
-            self._llm = vllm.LLM(**llm_kwargs(self._model_dir, config, recipe, options))
+            self._llm = vllm.LLM(**llm_kwargs(path, config, recipe, options))
             if recipe.rollout_fp8:
                 _check_no_requantization(vllm)
             self.exact_modules = self._on_worker(vllm_exact.check_engine) if recipe.exact else None
@@ -415,8 +416,8 @@ class VllmEngine:
             gc.collect()
             if mapped:
                 _release_cumem_pools()
-        if self._model_dir is not None:  # the directory stays: the next start's compile cache names it
-            self._model_dir = None
+        if self._open:  # the model directory stays: the next start's compile cache names it
+            self._open = False
             vllm_quant.uninstall()  # a later engine of this process chooses again
             vllm_exact.uninstall()
 

@@ -184,21 +184,20 @@ class StepProfiler:
         cuda = self.device.type == "cuda"
         record = self._phases.setdefault(name, {"wall_s": 0.0, "kernels_ms": {}, "host": []})
         start = time.perf_counter()
-        if not cuda:
-            with HostSampler() as host:
-                yield
-            record["wall_s"] += time.perf_counter() - start
-            record["host"].append(host)
-            return
-        from torch.profiler import ProfilerActivity, profile
+        with contextlib.ExitStack() as stack:
+            if cuda:
+                from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof, HostSampler() as host:
+                prof = stack.enter_context(profile(activities=[ProfilerActivity.CUDA]))
+            host = stack.enter_context(HostSampler())
             yield
-            torch.cuda.synchronize(self.device)
+            if cuda:
+                torch.cuda.synchronize(self.device)
         record["wall_s"] += time.perf_counter() - start
         record["host"].append(host)
-        for kernel, ms in kernel_ms(prof).items():
-            record["kernels_ms"][kernel] = record["kernels_ms"].get(kernel, 0.0) + ms
+        if cuda:
+            for kernel, ms in kernel_ms(prof).items():
+                record["kernels_ms"][kernel] = record["kernels_ms"].get(kernel, 0.0) + ms
 
     def write(self, step: int, run_dir: Path) -> Optional[Path]:
         """Write what ``step``'s phases recorded to ``run_dir/profiles/step_<step>.json`` and forget
@@ -223,8 +222,6 @@ class StepProfiler:
 
 def _merged_host(samplers: Sequence[HostSampler]) -> dict:
     """One phase's host samples (a phase entered more than once: its samplers added up)."""
-    if len(samplers) == 1:
-        return samplers[0].result()
     total = HostSampler()
     for h in samplers:
         for mine, theirs in ((total.self_s, h.self_s), (total.inclusive_s, h.inclusive_s)):
