@@ -109,6 +109,7 @@ def actor_settings(mode: str, args) -> ActorSettings:
         parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
         precision=PrecisionRecipe(mode=precision), max_tokens_per_microbatch=args.mb_tokens,
         optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend, fp8_wgrad=wgrad, logprob_impl=args.logprob_impl,
+        elementwise_impl=args.elementwise_impl,
     )
 
 
@@ -244,6 +245,8 @@ def main() -> int:
     ap.add_argument("--modes", default="bf16,fp8", help=f"of {', '.join(MODES)}")
     ap.add_argument("--logprob-impl", default="compiled", choices=["eager", "compiled"],
                     help="actor.logprob_impl for every mode (the vocabulary logprob/entropy arithmetic)")
+    ap.add_argument("--elementwise-impl", default="compiled", choices=["eager", "compiled"],
+                    help="actor.elementwise_impl for every mode (the decoder layers' SwiGLU and RoPE)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--headline", type=Path)
@@ -269,7 +272,8 @@ def main() -> int:
         print(f"\nactor step, {args.model} shapes x {args.layers} layers (+ 151936 vocab; LM head "
               f"{100 * lm_head_flop_share(config):.1f}% of the linear FLOPs), TP={args.tp}, "
               f"{dist.get_world_size()} x {name}, {args.seqs} x {args.seq_len} tokens/step, "
-              f"micro-batch {args.mb_tokens} tokens, logprob_impl {args.logprob_impl}")
+              f"micro-batch {args.mb_tokens} tokens, logprob_impl {args.logprob_impl}, "
+              f"elementwise_impl {args.elementwise_impl}")
         print(f"{'mode':7} {'step s':>8} {'tok/s/GPU':>10} {'logprob s':>10} {'tok/s/GPU':>10} {'peak GiB':>9}")
         for r in rows:
             print(f"{r['mode']:7} {r['step_s']:8.3f} {r['step_tok_s_gpu']:10.0f} {r['logprob_s']:10.3f} "

@@ -11,6 +11,10 @@
   (``attach_packed_positions``); the values are megatron's, bit for bit.
   megatron's attention calls its module-level ``apply_rotary_pos_emb``, so the spec points that
   name at this function (``use_sync_free_packed_rope``); every other case goes to megatron's.
+  With ``actor.elementwise_impl=compiled`` (``COMPILED_ROPE_ATTR``) the rotation runs as one
+  torch.compile'd kernel forward and one backward instead of megatron's ~10 eager ones per tensor,
+  with megatron's roundings (``emulate_precision_casts``), so its bits are megatron's; the cos/sin
+  rows are made once per micro-batch and read by every layer's q and k.
 - ``Fp8ColumnParallelLinear`` / ``Fp8RowParallelLinear`` replace qkv, proj, fc1 and fc2 in the
   ``fp8`` precision mode. They keep megatron's parameters, sharding and checkpoint keys and change
   only the GEMMs: ``fp8_block_linear`` (FProp, DGrad and WGrad in FP8, 128x128 weight blocks,
@@ -28,6 +32,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Optional
@@ -117,6 +122,10 @@ def apply_rotary_pos_emb_packed(t, freqs, config, cu_seqlens=None, mscale: float
         rows = torch.arange(tokens, device=freqs.device)
     else:
         rows = _positions(cu_seqlens, tokens, freqs.device)
+    if (getattr(config, COMPILED_ROPE_ATTR, False) and not config.rotary_interleaved
+            and not config.multi_latent_attention and freqs.shape[-1] == t.shape[-1]):
+        cos_T1D, sin_T1D = _cos_sin(rows, freqs, mscale, t.dtype)
+        return compiled_rope()(t, cos_T1D, sin_T1D)
     return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[rows], rotary_interleaved=config.rotary_interleaved,
                                       multi_latent_attention=config.multi_latent_attention, mscale=mscale).squeeze(1)
 
@@ -124,6 +133,39 @@ def apply_rotary_pos_emb_packed(t, freqs, config, cu_seqlens=None, mscale: float
 EXACT_ATTR = "jetrl_exact_rope_base"
 """Set on the TransformerConfig of an exact-mode actor to the model's rotary base (a float; None
 otherwise): RoPE goes through ``ops.exact.rope`` with it."""
+
+COMPILED_ROPE_ATTR = "jetrl_compiled_rope"
+"""Set on the TransformerConfig: True when packed RoPE runs compiled (``actor.elementwise_impl``)."""
+
+
+def rope_rotate(t_THD: torch.Tensor, cos_T1D: torch.Tensor, sin_T1D: torch.Tensor) -> torch.Tensor:
+    """megatron's non-interleaved RoPE over the whole head dim with its cos/sin given (t's dtype):
+    ``t * cos + rotate_half(t) * sin``, the ops of ``_apply_rotary_pos_emb_bshd`` in their order, so
+    eager torch rounds them as megatron does. The reference of ``compiled_rope``."""
+    x1, x2 = torch.chunk(t_THD, 2, dim=-1)
+    return t_THD * cos_T1D + torch.cat((-x2, x1), dim=-1) * sin_T1D
+
+
+@functools.cache
+def compiled_rope():
+    """``rope_rotate`` under torch.compile: one kernel forward, one backward. Dynamic shapes (the
+    token count changes with every micro-batch); ``emulate_precision_casts`` rounds every op's result
+    to t's dtype as eager torch does (Inductor otherwise keeps fp32 between ops), so the values and
+    gradients are ``rope_rotate``'s bit for bit."""
+    return torch.compile(rope_rotate, dynamic=True, options={"emulate_precision_casts": True})
+
+
+def _cos_sin(rows: torch.Tensor, freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
+    """cos and sin of each token's angles ([T, 1, D], ``dtype``), by megatron's formula
+    (``(cos(freqs) * mscale).to(dtype)``), kept on ``rows``: the micro-batch's positions, which every
+    layer's q and k RoPE read with the same ``freqs``."""
+    cached = getattr(rows, "jetrl_cos_sin", None)
+    if cached is not None and cached[0] is freqs and cached[1] == (mscale, dtype):
+        return cached[2]
+    angles = freqs[rows][:, 0]
+    pair = ((torch.cos(angles) * mscale).to(dtype), (torch.sin(angles) * mscale).to(dtype))
+    rows.jetrl_cos_sin = (freqs, (mscale, dtype), pair)
+    return pair
 
 
 def _positions(cu_seqlens: torch.Tensor, tokens: int, device: torch.device) -> torch.Tensor:

@@ -33,7 +33,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_jetrl.actor.exact import ExactRMSNorm, bind_exact_forward
-from megatron_jetrl.actor.layers import EXACT_ATTR, PackedCoreAttention, _Fp8LinearMixin, local_layer_spec, norm_class
+from megatron_jetrl.actor.layers import (COMPILED_ROPE_ATTR, EXACT_ATTR, PackedCoreAttention, _Fp8LinearMixin,
+                                         local_layer_spec, norm_class)
 from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
@@ -98,6 +99,7 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
     recipe = settings.precision
     dtype = recipe.compute_dtype
     kwargs = bridge.transformer_config_kwargs(settings.parallel, params_dtype=dtype)
+    fused = settings.elementwise_impl == "compiled" and not recipe.exact  # the exact forward is ops.exact's
     kwargs.update(
         pipeline_dtype=dtype,
         variable_seq_lengths=True,
@@ -105,13 +107,15 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
         gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True,
         calculate_per_token_loss=False,
+        bias_activation_fusion=fused,  # megatron's torch.compile'd SwiGLU (no bias here)
     )
     if settings.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if settings.fp8_backend == "te":
         kwargs.update(check_te_backend(settings, bridge.dims.num_layers))
     config = TransformerConfig(**kwargs)
-    setattr(config, EXACT_ATTR, float(bridge.dims.rope_theta) if recipe.exact else None)  # RoPE reads it
+    setattr(config, EXACT_ATTR, float(bridge.dims.rope_theta) if recipe.exact else None)  # RoPE reads them
+    setattr(config, COMPILED_ROPE_ATTR, fused)
     return config
 
 

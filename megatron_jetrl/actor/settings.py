@@ -78,7 +78,11 @@ class ActorSettings:
     vocabulary are computed (``actor/logprobs.py``): ``compiled`` (default; the same formulas fused by
     torch.compile: a few reads of the logits instead of ~40 fp32 passes per micro-batch; 10-12 % off the
     8B-shaped actor step on an H200) or ``eager`` torch ops (no compilation; the reference the compiled
-    form is tested against).
+    form is tested against). ``elementwise_impl``: the SwiGLU and RoPE of every decoder layer
+    (``actor/layers.py``): ``compiled`` (default; megatron's fused SwiGLU, torch.compile'd, one kernel
+    forward and one backward, rounded once; RoPE as one compiled kernel each way with megatron's
+    roundings, so its bits are megatron's) or ``eager`` (megatron's eager ops: six kernels, strided,
+    per SwiGLU and about ten per RoPE). The exact mode keeps its own forward (``ops.exact``) either way.
     """
 
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
@@ -93,11 +97,13 @@ class ActorSettings:
     max_seq_len: Optional[int] = None
     recompute: Literal["none", "full"] = "none"
     logprob_impl: Literal["eager", "compiled"] = "compiled"
+    elementwise_impl: Literal["eager", "compiled"] = "compiled"
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        check_fields(self, "actor", ("fp8_backend", "fp8_gemm", "fp8_wgrad", "recompute", "logprob_impl"))
+        check_fields(self, "actor", ("fp8_backend", "fp8_gemm", "fp8_wgrad", "recompute", "logprob_impl",
+                                      "elementwise_impl"))
         if self.fp8_wgrad != "gemm" and self.fp8_backend != "native":
             raise ConfigError("actor.fp8_wgrad", self.fp8_wgrad, f"is the native FP8 linears' WGrad; the "
                               f"{self.fp8_backend!r} backend runs its own: set actor.fp8_wgrad=gemm")

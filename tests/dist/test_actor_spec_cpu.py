@@ -26,7 +26,7 @@ def megatron_cpu(monkeypatch):
     torch.distributed.destroy_process_group()
 
 
-def _model(bridge, mode, **fp8):
+def _model(bridge, mode, elementwise_impl="compiled", **fp8):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_jetrl.actor import ActorSettings
@@ -35,7 +35,7 @@ def _model(bridge, mode, **fp8):
     from megatron_jetrl.precision import PrecisionRecipe
 
     recipe = build(PrecisionRecipe, {"mode": mode, "fp8": fp8}, "precision")
-    settings = ActorSettings(precision=recipe, fp8_gemm="emulate")
+    settings = ActorSettings(precision=recipe, fp8_gemm="emulate", elementwise_impl=elementwise_impl)
     config = transformer_config(bridge, settings)
     config.use_cpu_initialization = True
     torch.manual_seed(0)
@@ -117,3 +117,41 @@ def test_spec_keys_bf16_layers_and_fp8_forward(megatron_cpu):
     # two FP8 layers of a random-init model: a few percent; a wrong GEMM or layout gives ~100 %
     rel = ((got - ref).norm() / ref.norm()).item()
     assert 0 < rel < 0.1, rel
+
+
+def test_compiled_elementwise_is_the_eager_layer_to_rounding(megatron_cpu):
+    """actor.elementwise_impl=compiled: megatron's fused SwiGLU (its torch.compile'd forward and
+    backward, rounded once where eager rounds silu first) and the compiled RoPE (megatron's bits,
+    tests/unit/test_packed_rope.py) give the eager layers' logits and gradients to bf16 rounding.
+    The exact mode keeps eager SwiGLU and its own RoPE."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_jetrl.actor import ActorSettings
+    from megatron_jetrl.actor.layers import COMPILED_ROPE_ATTR
+    from megatron_jetrl.actor.model import transformer_config
+    from megatron_jetrl.models import bridge_for
+    from megatron_jetrl.precision import PrecisionRecipe
+    from tests.model_fixtures import tiny_hf_model
+
+    bridge = bridge_for(tiny_hf_model("Qwen3ForCausalLM", num_layers=2).config.to_dict())
+    eager, _ = _model(bridge, "bf16", elementwise_impl="eager")
+    fused, _ = _model(bridge, "bf16")
+    assert (eager.config.bias_activation_fusion, getattr(eager.config, COMPILED_ROPE_ATTR)) == (False, False)
+    assert (fused.config.bias_activation_fusion, getattr(fused.config, COMPILED_ROPE_ATTR)) == (True, True)
+    exact = transformer_config(bridge, ActorSettings(precision=PrecisionRecipe(mode="fp8", exact=True)))
+    assert (exact.bias_activation_fusion, getattr(exact, COMPILED_ROPE_ATTR)) == (False, False)
+
+    fused.load_state_dict(eager.state_dict())
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=60, max_seqlen_kv=60)
+    tokens = torch.randint(0, 1000, (1, 100), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, model in (("eager", eager), ("fused", fused)):
+        logits = model(tokens, None, None, packed_seq_params=packed).float()
+        logits.square().mean().backward()
+        out[name] = logits.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+    (ref, ref_grads), (got, got_grads) = out["eager"], out["fused"]
+    assert not torch.equal(got, ref)  # the SwiGLU's single rounding shows
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    for name, g in ref_grads.items():
+        assert ((got_grads[name] - g).norm() / g.norm()).item() < 3e-2, name

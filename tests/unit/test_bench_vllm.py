@@ -405,7 +405,7 @@ def test_the_actor_benchmark_refuses_a_depth_over_the_gpu_and_names_one_that_fit
     from benchmarks.bench_actor_step import check_memory
 
     args = argparse.Namespace(model="qwen3-8b", layers=12, modes="bf16,fp8", tp=1, mb_tokens=8192, seq_len=4096,
-                              logprob_impl="compiled")
+                              logprob_impl="compiled", elementwise_impl="compiled")
     with pytest.raises(SystemExit, match=r"^bench_actor_step: --layers 12: the trainer needs ~\d+ GiB .* "
                                          r"this GPU has 79 GiB: use --layers 9 \(or --skip-memory-check\)$"):
         check_memory(args, 79.2)

@@ -22,6 +22,7 @@ from megatron_jetrl.actor.layers import (  # noqa: E402
 
 CONFIG = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False,
                          mrope_section=None)
+COMPILED = SimpleNamespace(**vars(CONFIG), jetrl_compiled_rope=True)  # actor.elementwise_impl=compiled
 ONE_RANK = SimpleNamespace(size=lambda: 1, rank=lambda: 0)  # a context-parallel group of one
 
 
@@ -39,7 +40,9 @@ def test_positions_restart_in_every_sequence():
 
 @pytest.mark.parametrize("lengths", [[5, 1, 7, 3], [16], [2, 2, 2, 2, 2, 2]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_same_values_and_gradients_as_megatrons_thd_rope(lengths, dtype):
+@pytest.mark.parametrize("config", [CONFIG, COMPILED], ids=["eager", "compiled"])
+def test_same_values_and_gradients_as_megatrons_thd_rope(lengths, dtype, config):
+    """Eager, and compiled into one kernel each way (rounded as eager torch rounds): megatron's bits."""
     g = torch.Generator().manual_seed(len(lengths))
     tokens, heads, dim = sum(lengths), 4, 64
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -47,7 +50,7 @@ def test_same_values_and_gradients_as_megatrons_thd_rope(lengths, dtype):
         t = torch.randn(tokens, heads, dim, generator=g).to(dtype)
         a, b = t.clone().requires_grad_(), t.clone().requires_grad_()
         want = apply_rotary_pos_emb(a, rows, CONFIG, cu_seqlens=cu, cp_group=ONE_RANK)
-        got = apply_rotary_pos_emb_packed(b, rows, CONFIG, cu_seqlens=cu, cp_group=ONE_RANK)
+        got = apply_rotary_pos_emb_packed(b, rows, config, cu_seqlens=cu, cp_group=ONE_RANK)
         assert torch.equal(got, want)
         grad = torch.randn(want.shape, generator=g).to(dtype)
         want.backward(grad)
@@ -84,3 +87,23 @@ def test_positions_attached_once_per_micro_batch_serve_every_layer(monkeypatch):
     stale.jetrl_positions = torch.zeros(5, dtype=torch.int64)
     assert torch.equal(apply_rotary_pos_emb_packed(t, freqs, CONFIG, cu_seqlens=stale, cp_group=ONE_RANK), want)
     assert len(calls) == 1
+
+
+def test_compiled_rope_makes_cos_sin_once_per_micro_batch_and_leaves_other_shapes_to_megatron(monkeypatch):
+    """Every layer's q and k read the micro-batch's cos/sin rows made once; a rotary dim smaller than
+    the head dim (megatron's partial RoPE) is megatron's eager code, with its values."""
+    g = torch.Generator().manual_seed(1)
+    cu = attach_packed_positions(torch.tensor([0, 5, 6, 13], dtype=torch.int32), 13)
+    freqs = rope_freqs(7, 32)
+    made = []
+    real_cos = torch.cos
+    monkeypatch.setattr(torch, "cos", lambda x: made.append(x.shape) or real_cos(x))
+    q, k = torch.randn(13, 4, 32, generator=g), torch.randn(13, 2, 32, generator=g)
+    for t in (q, k, q, k):  # two layers
+        want = apply_rotary_pos_emb(t, freqs, CONFIG, cu_seqlens=cu, cp_group=ONE_RANK)
+        assert torch.equal(apply_rotary_pos_emb_packed(t, freqs, COMPILED, cu_seqlens=cu, cp_group=ONE_RANK), want)
+    assert made.count(torch.Size([13, 1, 32])) == 1  # ours; megatron's reference makes [13, 1, 1, 32] per call
+    partial = rope_freqs(7, 16)
+    t = torch.randn(13, 2, 32, generator=g)
+    assert torch.equal(apply_rotary_pos_emb_packed(t, partial, COMPILED, cu_seqlens=cu, cp_group=ONE_RANK),
+                       apply_rotary_pos_emb(t, partial, CONFIG, cu_seqlens=cu, cp_group=ONE_RANK))
