@@ -114,7 +114,8 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
     if settings.fp8_backend == "te":
         kwargs.update(check_te_backend(settings, bridge.dims.num_layers))
     config = TransformerConfig(**kwargs)
-    setattr(config, EXACT_ATTR, float(bridge.dims.rope_theta) if recipe.exact else None)  # RoPE reads them
+    # the packed RoPE (actor/layers.py) reads these two
+    setattr(config, EXACT_ATTR, float(bridge.dims.rope_theta) if recipe.exact else None)
     setattr(config, COMPILED_ROPE_ATTR, fused)
     return config
 

@@ -81,8 +81,9 @@ class ActorSettings:
     form is tested against). ``elementwise_impl``: the SwiGLU and RoPE of every decoder layer
     (``actor/layers.py``): ``compiled`` (default; megatron's fused SwiGLU, torch.compile'd, one kernel
     forward and one backward, rounded once; RoPE as one compiled kernel each way with megatron's
-    roundings, so its bits are megatron's) or ``eager`` (megatron's eager ops: six kernels, strided,
-    per SwiGLU and about ten per RoPE). The exact mode keeps its own forward (``ops.exact``) either way.
+    roundings, so its bits are megatron's; 7 % off the 8B-shaped actor step on an H200) or ``eager``
+    (megatron's eager ops: several strided kernels per SwiGLU and about ten per RoPE, forward and
+    backward). The exact mode keeps its own forward (``ops.exact``) either way.
     """
 
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
