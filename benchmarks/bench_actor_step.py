@@ -187,7 +187,7 @@ def kernel_split(step) -> dict[str, dict[str, float]]:
     own kernels took longest: which ``aten::`` call launched the elementwise kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_jetrl.runtime.profiling import by_class, kernel_ms
+    from megatron_jetrl.runtime.profiling import by_class, kernel_ms, operator_ms
 
     step()
     torch.cuda.synchronize()
@@ -196,9 +196,7 @@ def kernel_split(step) -> dict[str, dict[str, float]]:
         torch.cuda.synchronize()
     kernels = kernel_ms(prof)
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
-    ops = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
-           if e.key.startswith("aten::") and getattr(e, "self_device_time_total", 0) > 0}
-    ops = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:25])
+    ops = dict(sorted(operator_ms(prof).items(), key=lambda kv: -kv[1])[:25])
     return {"classes": by_class(kernels, KERNEL_CLASSES), "top": top, "ops": ops}
 
 

@@ -557,6 +557,10 @@ def table(args) -> str:
                         own = ", ".join(f"{f} {sec:.2f}" for f, sec in list(host["self_s"].items())[:HOST_TOP])
                         lines.append(f"   {'':<11} host s by function (own time): {own}; "
                                      f"GC {host['gc_s']:.2f} s in {host['gc_collections']} collections")
+                    ops = list(ph.get("top_ops_ms", {}).items())[:HOST_TOP]
+                    if ops:
+                        lines.append(f"   {'':<11} kernel ms by torch operator (own kernels): "
+                                     + ", ".join(f"{op} {ms:.0f}" for op, ms in ops))
     if args.headline and headline:
         from benchmarks.headline import update
 

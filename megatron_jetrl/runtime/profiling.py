@@ -6,8 +6,10 @@ under its own ``torch.profiler`` profile of CUDA activity: the kernels of the ro
 in-process vLLM, CUDA graphs included) and of the trainer alike. Its seconds include the
 profiler's overhead; compare the kernel milliseconds, not the step time, with other steps. The
 result, ``<run dir>/profiles/step_<N>.json`` (rank 0), holds per phase the wall seconds, the kernel
-milliseconds by class (``STEP_KERNEL_CLASSES``), the 12 longest kernels and the host's side (below).
-On a CPU device there are no kernels to record.
+milliseconds by class (``STEP_KERNEL_CLASSES``), the 12 longest kernels and the host's side (below);
+for the trainer's phases (``OPERATOR_PHASES``) also the 12 torch operators whose own kernels took
+longest, which name the call behind an elementwise or copy kernel. On a CPU device there are no
+kernels to record.
 
 The host's side of a profiled phase (``HostSampler``): where the main thread spent the phase's wall
 time, by Python function, sampled from a background thread (the in-process vLLM engine's scheduler,
@@ -42,6 +44,12 @@ STEP_KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, FlashAtte
 )
 
 
+OPERATOR_PHASES = ("logprobs", "update")
+"""Phases whose kernels are also attributed to the torch operators that launched them: the trainer's
+eager ops. Generate's kernels run from vLLM's CUDA graphs, which the profiler cannot attribute, and
+recording the CPU side of its host-bound loop would slow it."""
+
+
 def _kernel_events(prof) -> Iterator:
     """The kernel entries of a finished ``torch.profiler`` profile's averages: device activity only,
     without CUDA-graph launches, memcpys and memsets."""
@@ -62,6 +70,13 @@ def kernel_ms(prof) -> dict[str, float]:
         if us > 0:
             kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + us / 1e3
     return kernels
+
+
+def operator_ms(prof) -> dict[str, float]:
+    """Device milliseconds of the kernels each ``aten::`` operator launched itself (not its callees')
+    in a finished ``torch.profiler`` profile that recorded CPU activity too."""
+    return {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
+            if e.key.startswith("aten::") and getattr(e, "self_device_time_total", 0) > 0}
 
 
 def kernel_launches(prof) -> int:
@@ -182,13 +197,14 @@ class StepProfiler:
             yield
             return
         cuda = self.device.type == "cuda"
-        record = self._phases.setdefault(name, {"wall_s": 0.0, "kernels_ms": {}, "host": []})
+        record = self._phases.setdefault(name, {"wall_s": 0.0, "kernels_ms": {}, "ops_ms": {}, "host": []})
         start = time.perf_counter()
         with contextlib.ExitStack() as stack:
             if cuda:
                 from torch.profiler import ProfilerActivity, profile
 
-                prof = stack.enter_context(profile(activities=[ProfilerActivity.CUDA]))
+                activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if name in OPERATOR_PHASES else [])
+                prof = stack.enter_context(profile(activities=activities))
             host = stack.enter_context(HostSampler())
             yield
             if cuda:
@@ -196,8 +212,9 @@ class StepProfiler:
         record["wall_s"] += time.perf_counter() - start
         record["host"].append(host)
         if cuda:
-            for kernel, ms in kernel_ms(prof).items():
-                record["kernels_ms"][kernel] = record["kernels_ms"].get(kernel, 0.0) + ms
+            for key, found in (("kernels_ms", kernel_ms(prof)), ("ops_ms", operator_ms(prof))):
+                for what, ms in found.items():
+                    record[key][what] = record[key].get(what, 0.0) + ms
 
     def write(self, step: int, run_dir: Path) -> Optional[Path]:
         """Write what ``step``'s phases recorded to ``run_dir/profiles/step_<step>.json`` and forget
@@ -210,14 +227,20 @@ class StepProfiler:
             classes = by_class(kernels, STEP_KERNEL_CLASSES)
             phases[name] = {"wall_s": r["wall_s"], "kernel_ms": sum(kernels.values()),
                             "classes_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
-                            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12]),
+                            "top_kernels_ms": _largest(kernels),
                             "host": _merged_host(r["host"])}
+            if r["ops_ms"]:
+                phases[name]["top_ops_ms"] = _largest(r["ops_ms"])
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         path = Path(run_dir) / "profiles" / f"step_{step}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_json_atomic(path, {"step": step, "device": device, "phases": phases})
         self._phases = {}
         return path
+
+
+def _largest(ms: dict[str, float], top: int = 12) -> dict[str, float]:
+    return dict(sorted(ms.items(), key=lambda kv: -kv[1])[:top])
 
 
 def _merged_host(samplers: Sequence[HostSampler]) -> dict:

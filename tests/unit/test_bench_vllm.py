@@ -130,7 +130,9 @@ def test_table_ratios_and_headline(tmp_path):
     profile = {"step": 5, "device": "GPU X", "phases": {"generate": {
         "wall_s": 2.5, "kernel_ms": 900.0, "classes_ms": {"gemm": 500.0, "attention": 400.0}, "top_kernels_ms": {},
         "host": {"sampled_s": 2.4, "gc_s": 0.25, "gc_collections": 7, "inclusive_s": {},
-                 "self_s": {"engine/output_processor.py:process_outputs": 0.5, "gpu/model_runner.py:execute": 0.4}}}}}
+                 "self_s": {"engine/output_processor.py:process_outputs": 0.5, "gpu/model_runner.py:execute": 0.4}}},
+        "update": {"wall_s": 1.2, "kernel_ms": 1000.0, "classes_ms": {"gemm": 700.0, "elementwise": 300.0},
+                   "top_kernels_ms": {}, "top_ops_ms": {"aten::mm": 700.0, "aten::add_": 250.4}}}}
 
     def run(step_s: list[float], **more):
         per_step = {p: [v] * len(step_s) for p, v in phases.items()}
@@ -160,6 +162,7 @@ def test_table_ratios_and_headline(tmp_path):
     assert "warm start s" not in text  # no result has one: no row
     assert ("host s by function (own time): engine/output_processor.py:process_outputs 0.50, "
             "gpu/model_runner.py:execute 0.40; GC 0.25 s in 7 collections") in text
+    assert "kernel ms by torch operator (own kernels): aten::mm 700, aten::add_ 250" in text
 
 
 def test_a_warm_start_is_a_row_and_the_headline_engine_start(tmp_path):

@@ -58,6 +58,22 @@ def test_kernel_ms_counts_kernels_not_the_operators_that_launched_them():
     assert kernel_ms(prof) == {"vectorized_elementwise_kernel<mul>": 0.5}
 
 
+def test_operator_ms_is_each_operators_own_kernel_time():
+    """The step profile's trainer phases name the torch call behind a kernel: an operator's own
+    kernels only (a copy inside ``aten::reshape`` counts for ``aten::copy_``), operators that launched
+    nothing left out."""
+    from types import SimpleNamespace
+
+    from megatron_jetrl.runtime.profiling import OPERATOR_PHASES, operator_ms
+
+    events = [SimpleNamespace(key="aten::reshape", self_device_time_total=0.0),
+              SimpleNamespace(key="aten::copy_", self_device_time_total=146_000.0),
+              SimpleNamespace(key="aten::empty", self_device_time_total=0.0),
+              SimpleNamespace(key="void at::native::elementwise_kernel<128, 4>", self_device_time_total=146_000.0)]
+    assert operator_ms(SimpleNamespace(key_averages=lambda: events)) == {"aten::copy_": 146.0}
+    assert "generate" not in OPERATOR_PHASES and {"logprobs", "update"} <= set(OPERATOR_PHASES)
+
+
 def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
