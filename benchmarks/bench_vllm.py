@@ -577,7 +577,8 @@ def table(args) -> str:
 
 
 HOST_PHASES, HOST_TOP = ("generate", "logprobs", "update"), 6
-"""The profiled step's phases whose host split the table shows, and how many functions of each."""
+"""The profiled step's phases whose host split the table shows, and how many functions (and torch
+operators, where the phase recorded them) of each."""
 EXACT_CASE = "128x2048"
 """The decode case of ``vllm_exact_decode_over_default``."""
 LEGACY_COMMAND = "python -m benchmarks.bench_vllm (its arguments were not recorded with this result)"

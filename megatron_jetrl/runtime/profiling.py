@@ -174,11 +174,8 @@ class HostSampler:
     def result(self, top: int = 15) -> dict:
         """The sampled seconds, the ``top`` functions by their own and by inclusive seconds, and the
         garbage collector's seconds and collections."""
-        def largest(d: dict[str, float]) -> dict[str, float]:
-            return dict(sorted(d.items(), key=lambda kv: -kv[1])[:top])
-
         return {"sampled_s": self.sampled_s, "gc_s": self.gc_s, "gc_collections": self.gc_collections,
-                "self_s": largest(self.self_s), "inclusive_s": largest(self.inclusive_s)}
+                "self_s": _largest(self.self_s, top), "inclusive_s": _largest(self.inclusive_s, top)}
 
 
 class StepProfiler:
@@ -239,8 +236,9 @@ class StepProfiler:
         return path
 
 
-def _largest(ms: dict[str, float], top: int = 12) -> dict[str, float]:
-    return dict(sorted(ms.items(), key=lambda kv: -kv[1])[:top])
+def _largest(values: dict[str, float], top: int = 12) -> dict[str, float]:
+    """The ``top`` entries with the largest values, largest first."""
+    return dict(sorted(values.items(), key=lambda kv: -kv[1])[:top])
 
 
 def _merged_host(samplers: Sequence[HostSampler]) -> dict:
