@@ -57,15 +57,18 @@ from benchmarks.rl_summary import same_work
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_quant, precision.exact)
-    "bf16": ("bf16", "auto", "trainer", False),
-    "fp8": ("fp8", "auto", "trainer", False),  # the default: the trainer's activation quantization inside vLLM
-    "fp8kv": ("fp8", "fp8", "trainer", False),
-    "fp8-vq": ("fp8", "auto", "vllm", False),  # vLLM's own activation quantization (and its fusions)
-    "fp8kv-vq": ("fp8", "fp8", "vllm", False),
-    "fp8-exact": ("fp8", "auto", "trainer", True),  # the exact rollout: batch-invariant kernels, the trainer's ops
-    "bf16-exact": ("bf16", "auto", "trainer", True),
-    "fp8kv-exact": ("fp8", "fp8", "trainer", True),  # exact with an FP8 KV cache
+MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_quant, precision.exact,
+    #          rollout.vllm.attention_backend)
+    "bf16": ("bf16", "auto", "trainer", False, "auto"),
+    "fp8": ("fp8", "auto", "trainer", False, "auto"),  # the default: the trainer's activation quantization in vLLM
+    "fp8kv": ("fp8", "fp8", "trainer", False, "auto"),
+    "fp8-vq": ("fp8", "auto", "vllm", False, "auto"),  # vLLM's own activation quantization (and its fusions)
+    "fp8kv-vq": ("fp8", "fp8", "vllm", False, "auto"),
+    "fp8-exact": ("fp8", "auto", "trainer", True, "auto"),  # the exact rollout: batch-invariant kernels, trainer's ops
+    "bf16-exact": ("bf16", "auto", "trainer", True, "auto"),
+    "fp8kv-exact": ("fp8", "fp8", "trainer", True, "auto"),  # exact with an FP8 KV cache
+    "bf16-tri": ("bf16", "auto", "trainer", False, "triton_attn"),  # vLLM's Triton attention instead of FA3
+    "fp8kv-tri": ("fp8", "fp8", "trainer", False, "triton_attn"),  # its FP8 KV decode: BF16 queries, K/V dequantized
 }
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, DeepGEMM, FlashAttention 3, vLLM's ops
     # vLLM's KV-cache write is "reshape_and_cache_flash": first; FlashAttention 3 kernels are
@@ -122,7 +125,7 @@ def _gemm(args, mode: str) -> str:
 def _recipe(mode: str):
     from megatron_jetrl.precision import PrecisionRecipe
 
-    precision, _, _, exact = MODES[mode]
+    precision, _, _, exact, _ = MODES[mode]
     return PrecisionRecipe(mode=precision, exact=exact)
 
 
@@ -137,11 +140,11 @@ def _engine(mode: str, args, **overrides):
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl")
-    _, kv, activation_quant, _ = MODES[mode]
+    _, kv, activation_quant, _, attention = MODES[mode]
     recipe = _recipe(mode)
     options = VllmOptions(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                           max_model_len=args.prompt_len + args.max_len, kv_cache_dtype=kv,
-                          activation_quant=activation_quant,
+                          activation_quant=activation_quant, attention_backend=attention,
                           enable_prefix_caching=False, fp8_gemm=args.fp8_gemm,
                           cuda_graph_max_batch=args.max_num_seqs,
                           tensor_parallel_size=getattr(args, "rollout_tp", 1), **overrides)
@@ -369,6 +372,8 @@ STEP_MODES = {  # name -> jetrl train overrides
     "fp8kv": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8"],  # + the FP8 KV cache, trainer's scales
     "fp8-exact": ["precision.mode=fp8", "precision.exact=true"],  # exact rollout: no recompute pass
     "fp8kv-exact": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8", "precision.exact=true"],
+    "fp8kv-tri": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8",  # vLLM's Triton attention (table only)
+                  "rollout.vllm.attention_backend=triton_attn"],
 }
 
 
@@ -439,7 +444,7 @@ def step_config(run_dir: Path) -> dict:
 def table(args) -> str:
     work = Path(args.work)
     load = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
-    names = [m for mode in MODES for m in (mode, f"{mode}-deep_gemm") if m != "bf16-deep_gemm"]
+    names = [m for mode in MODES for m in (mode, f"{mode}-deep_gemm") if MODES[mode][0] != "bf16" or m == mode]
     decode = {m: load(work / f"decode_{m}.json") for m in names}  # FP8 modes with DeepGEMM: their own columns
     decode = {m: d for m, d in decode.items() if d}
     sync = {f.stem[len("sync_"):]: load(f) for f in sorted(work.glob("sync_*.json"))}
@@ -670,7 +675,7 @@ def main(argv=None) -> int:
             p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
         for mode in args.modes.split(","):
             gemm = _gemm(args, mode)
-            name = mode if gemm == "cutlass" or mode == "bf16" else f"{mode}-{gemm}"
+            name = mode if gemm == "cutlass" or MODES[mode][0] == "bf16" else f"{mode}-{gemm}"
             result = run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else []),
                                name=name)
             if args.warm_start and result is not None:

@@ -305,6 +305,9 @@ def _check_exact(job: JobConfig) -> None:
         ("actor.parallel.pp", par.pp, par.pp == 1, "the exact rollout is verified at PP 1: set actor.parallel.pp=1"),
         ("rollout.vllm.fp8_gemm", vllm.fp8_gemm, vllm.fp8_gemm_for(exact=True) == "cutlass",
          "the trainer's exact FProp calls vLLM's CUTLASS block-FP8 GEMM: set rollout.vllm.fp8_gemm=auto or cutlass"),
+        ("rollout.vllm.attention_backend", vllm.attention_backend, vllm.attention_backend in ("auto", "flash_attn"),
+         "the trainer's exact attention is FlashAttention's forward: set rollout.vllm.attention_backend=auto or "
+         "flash_attn"),
         ("rollout.vllm.activation_quant", vllm.activation_quant, vllm.activation_quant == "trainer",
          "vLLM must quantize activations with the trainer's kernel: set rollout.vllm.activation_quant=trainer"),
         ("algo.correction.mode", job.algo.correction.mode, job.algo.correction.mode == "none",

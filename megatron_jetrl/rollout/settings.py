@@ -95,6 +95,11 @@ class VllmOptions:
     with the trainer's FP8 bytes (GPU-tested). DeepGEMM decodes ~7 % faster (docs/rollout.md); it
     JIT-compiles its kernels at the first start on a machine (~3.5 extra minutes for Qwen3-8B) into
     its on-disk cache, which later starts reuse."""
+    attention_backend: Literal["auto", "flash_attn", "triton_attn"] = "auto"
+    """vLLM's attention kernels: ``auto`` (vLLM's pick: FlashAttention 3 on Hopper), ``flash_attn`` or
+    ``triton_attn`` (vLLM's Triton kernel; with an FP8 KV cache it keeps the query in BF16 and
+    dequantizes K and V as it reads them, where FlashAttention 3 also quantizes the query and runs
+    FP8 matmuls). ``precision.exact`` computes FlashAttention's forward: auto or flash_attn there."""
     activation_quant: Literal["trainer", "vllm"] = "trainer"
     """Who quantizes a linear's input in FP8 rollout: ``trainer`` (default: the trainer's 1x128
     kernel and TE's rule, with vLLM's norm/activation+quant fusions off: the codes the trainer's
@@ -117,6 +122,11 @@ class VllmOptions:
     @property
     def tp(self) -> int:
         return self.tensor_parallel_size
+
+    @property
+    def attention_config(self) -> Optional[dict[str, str]]:
+        """``vllm.LLM``'s ``attention_config`` for ``attention_backend`` (None: vLLM picks)."""
+        return None if self.attention_backend == "auto" else {"backend": self.attention_backend.upper()}
 
     def fp8_gemm_for(self, exact: bool) -> Literal["cutlass", "deep_gemm"]:
         """The block-FP8 GEMM this engine runs (``fp8_gemm`` with ``auto`` resolved)."""

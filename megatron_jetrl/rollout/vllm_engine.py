@@ -175,6 +175,8 @@ def llm_kwargs(model_path: str | Path, hf_config: Mapping[str, Any], recipe: Pre
         enforce_eager=options.enforce_eager,
         enable_prefix_caching=options.enable_prefix_caching,
     )
+    if options.attention_config is not None:
+        kwargs["attention_config"] = options.attention_config
     compilation: dict[str, Any] = {}
     if options.cuda_graph_max_batch is not None and not options.enforce_eager:
         top = min(options.cuda_graph_max_batch, options.max_num_seqs)

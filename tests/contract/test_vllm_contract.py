@@ -591,3 +591,15 @@ def test_the_model_directory_is_named_by_the_config(tmp_path):
     hashes = [cpu_vllm_config(d, recipe).compute_hash() for d in (first, model_dir(config, tmp_path / "cache"),
                                                                   elsewhere)]
     assert hashes[0] == hashes[1] != hashes[2]
+
+
+def test_the_attention_backend_option_reaches_vllms_attention_config(tmp_path):
+    """``rollout.vllm.attention_backend`` names a backend of vLLM's ``AttentionBackendEnum``; auto leaves
+    vLLM's own pick."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    model_dir = write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt")
+    assert cpu_vllm_config(model_dir, PrecisionRecipe()).attention_config.backend is None
+    for option in ("flash_attn", "triton_attn"):
+        cfg = cpu_vllm_config(model_dir, PrecisionRecipe(), VllmOptions(kv_cache_dtype="fp8", attention_backend=option))
+        assert cfg.attention_config.backend is AttentionBackendEnum[option.upper()]

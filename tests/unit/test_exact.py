@@ -258,6 +258,7 @@ def test_an_exact_job_loads_and_round_trips():
     ("actor.parallel.pp=2", "actor.parallel.pp"),
     ("rollout.vllm.fp8_gemm=deep_gemm", "rollout.vllm.fp8_gemm"),
     ("rollout.vllm.activation_quant=vllm", "rollout.vllm.activation_quant"),
+    ("rollout.vllm.attention_backend=triton_attn", "rollout.vllm.attention_backend"),
     ("algo.correction.mode=token_tis", "algo.correction.mode"),
 ])
 def test_layouts_that_cannot_be_exact_are_refused_naming_the_key(override, key):

@@ -25,6 +25,7 @@ from tests.model_fixtures import tiny_hf_model
     ("tensor_parallel_size", 0), ("max_model_len", 1.5), ("gpu_memory_utilization", 1.0),
     ("kv_cache_dtype", "fp8_e5m2"), ("sleep_level", 0), ("enforce_eager", "yes"), ("seed", None),
     ("weight_update", "copy"), ("fp8_gemm", "triton"), ("cuda_graph_max_batch", 0),
+    ("attention_backend", "FLASHINFER"),
 ])
 def test_options_name_the_bad_key(key, value):
     with pytest.raises(ConfigError, match=rf"^rollout\.vllm\.{key}: got"):
@@ -86,6 +87,9 @@ def test_llm_kwargs_carry_the_recipe():
     assert kw["compilation_config"] == {"pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False}}
     own = llm_kwargs("/ckpt", config, recipe, VllmOptions(activation_quant="vllm"))
     assert "compilation_config" not in own
+    assert "attention_config" not in kw  # auto: vLLM picks
+    triton = llm_kwargs("/ckpt", config, recipe, VllmOptions(attention_backend="triton_attn"))
+    assert triton["attention_config"] == {"backend": "TRITON_ATTN"}
     assert kw["max_model_len"] == bridge_for(config).dims.max_position_embeddings  # when the job sets none
     bf16 = llm_kwargs("/ckpt", config, PrecisionRecipe(mode=PrecisionMode.BF16),
                       VllmOptions(max_model_len=96, cuda_graph_max_batch=20))
