@@ -12,7 +12,8 @@ ordinary gradient (the backward never has to match anything):
   attends (with an FP8 KV cache: q, k, v quantized by the cache's scales, K/V written by vLLM's
   cache kernel, queries in the chunks vLLM schedules them in, ``ops.exact.FP8_KV_QUERY_ROWS``);
   backward by recomputing torch's varlen attention (the trainer's usual kernel) on the same BF16
-  q, k, v.
+  q, k, v; with an FP8 KV cache on the values the cache holds (``fp8_cache_values``: the gradient
+  at the point the forward computed, straight through the rounding, none where the scale clipped).
 - FP8 linears keep ``fp8_block_linear`` with its FProp GEMM swapped for vLLM's CUTLASS call
   (``VllmKernels.fp8_gemm``); DGrad and WGrad stay the trainer's.
 - ``exact_rope``: forward with ``ops.exact.rope`` (the kernel vLLM's rotary embedding runs),
@@ -36,6 +37,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron_jetrl.ops.exact import (ExactUnavailable, VllmKernels, fp8_kv_query_chunk, kv_pages, paged_kv,
                                       query_chunks, rope, rope_inv_freq, rope_reference, static_fp8_quant)
 from megatron_jetrl.ops.rms_norm import rms_norm
+from megatron_jetrl.precision.quant import E4M3_MAX
 
 
 class _ExactRmsNormFn(torch.autograd.Function):
@@ -174,19 +176,35 @@ class _ExactAttentionFn(torch.autograd.Function):
             out, _ = kernels.paged_attention(static_fp8_quant(q.contiguous(), q_scale), k_pages, v_pages, cu_q, used,
                                              table, max_seqlen, scale, descales=(q_scale, k_scale, v_scale),
                                              out_dtype=q.dtype, max_seqlen_q=min(chunk, max_seqlen))
-        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.save_for_backward(q, k, v, cu_seqlens, kv_scales)
         ctx.args = (max_seqlen, scale, backward_attention)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, cu_seqlens = ctx.saved_tensors
+        q, k, v, cu_seqlens, kv_scales = ctx.saved_tensors
         max_seqlen, scale, attention = ctx.args
+        kept = None
+        if kv_scales is not None:  # the gradient where the forward computed: at the cache's values
+            (q, q_in), (k, k_in), (v, v_in) = (fp8_cache_values(t, kv_scales[i:i + 1]) for i, t in enumerate((q, k, v)))
+            kept = (q_in, k_in, v_in)
         with torch.enable_grad():
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             out = attention(qg, kg, vg, cu_seqlens, max_seqlen, scale)
-            dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), dout)
-        return dq, dk, dv, None, None, None, None, None, None, None
+            grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+        if kept is not None:
+            grads = tuple(torch.where(inside, g, torch.zeros((), dtype=g.dtype, device=g.device))
+                          for g, inside in zip(grads, kept, strict=True))
+        return *grads, None, None, None, None, None, None, None
+
+
+def fp8_cache_values(t: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an FP8 KV cache with this one fp32 ``scale`` holds of ``t``: its E4M3 codes
+    (``static_fp8_quant``) times the scale, in t's dtype; and where t was inside the codes' range
+    (``|t| <= 448 * scale``; outside, the forward saw the clamp, whose gradient is zero)."""
+    codes = static_fp8_quant(t, scale)
+    values = (codes.float() * scale.float()).to(t.dtype)
+    return values, t.float().abs() <= E4M3_MAX * scale.float()
 
 
 def exact_attention(q_THD, k_THD, v_THD, cu_seqlens: torch.Tensor, positions: torch.Tensor, max_seqlen: int,

@@ -17,7 +17,7 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
 
-from megatron_jetrl.actor.exact import ExactRMSNorm, exact_rope  # noqa: E402
+from megatron_jetrl.actor.exact import ExactRMSNorm, _ExactAttentionFn, exact_rope, fp8_cache_values  # noqa: E402
 from megatron_jetrl.actor.layers import EXACT_ATTR, apply_rotary_pos_emb_packed, packed_positions  # noqa: E402
 from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megatron_jetrl.algo import mismatch_metrics  # noqa: E402
@@ -435,3 +435,37 @@ def test_rope_kernel_names_what_is_wrong():
         ext.rope(x.view(4, 128), pos, inv)
     with pytest.raises(RuntimeError, match="must be even"):
         ext.rope(torch.zeros(4, 2, 63), pos, inv)
+
+
+def test_the_fp8_kv_attention_backward_is_taken_at_the_values_the_cache_holds():
+    """With an FP8 KV cache the forward attends over q, k, v rounded to the cache's E4M3 codes (and
+    clamped by its scales): the backward differentiates the trainer's attention at those values,
+    straight through the rounding, and passes no gradient where the clamp cut an element."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, h, 128, generator=g).bfloat16() for h in (2, 1, 1))
+    scales = torch.tensor([1.5 / 448, 1.0, 2.5 / 448])  # q and v clip where |x| > 1.5 / 2.5; k never
+    seen = {}
+
+    def attention(qg, kg, vg, cu_seqlens, max_seqlen, scale):
+        seen["at"] = (qg.detach().clone(), kg.detach().clone(), vg.detach().clone())
+        return qg * (kg.float().sum() + vg.float().square().sum()).to(qg.dtype)
+
+    ctx = SimpleNamespace(saved_tensors=(q, k, v, torch.tensor([0, 6], dtype=torch.int32), scales),
+                          args=(6, 0.1, attention))
+    dout = torch.randn(6, 2, 128, generator=g).bfloat16()
+    dq, dk, dv, *rest = _ExactAttentionFn.backward(ctx, dout)
+    assert all(r is None for r in rest)
+    at = [(static_fp8_quant(t, scales[i:i + 1]).float() * scales[i]).bfloat16() for i, t in enumerate((q, k, v))]
+    for got, want in zip(seen["at"], at, strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(seen["at"][0], q)  # the cache's values, not the BF16 inputs
+    with torch.enable_grad():
+        qg, kg, vg = (t.clone().requires_grad_() for t in at)
+        want = torch.autograd.grad(attention(qg, kg, vg, None, 6, 0.1), (qg, kg, vg), dout)
+    clipped_q, clipped_v = q.float().abs() > 1.5, v.float().abs() > 2.5
+    assert clipped_q.any() and clipped_v.any() and (~clipped_q).any()
+    assert torch.equal(dq, torch.where(clipped_q, torch.zeros((), dtype=dq.dtype), want[0]))
+    assert torch.equal(dk, want[1])
+    assert torch.equal(dv, torch.where(clipped_v, torch.zeros((), dtype=dv.dtype), want[2]))
+    values, inside = fp8_cache_values(q, scales[0:1])
+    assert torch.equal(values, at[0]) and torch.equal(inside, ~clipped_q)
