@@ -97,9 +97,9 @@ class VllmOptions:
     its on-disk cache, which later starts reuse."""
     attention_backend: Literal["auto", "flash_attn", "triton_attn"] = "auto"
     """vLLM's attention kernels: ``auto`` (vLLM's pick: FlashAttention 3 on Hopper), ``flash_attn`` or
-    ``triton_attn`` (vLLM's Triton kernel; with an FP8 KV cache it keeps the query in BF16 and
-    dequantizes K and V as it reads them, where FlashAttention 3 also quantizes the query and runs
-    FP8 matmuls). ``precision.exact`` computes FlashAttention's forward: auto or flash_attn there."""
+    ``triton_attn`` (vLLM's unified Triton kernel; with an FP8 KV cache both quantize the query with
+    its scale and read FP8 K/V). ``precision.exact`` computes FlashAttention's forward: auto or
+    flash_attn there."""
     activation_quant: Literal["trainer", "vllm"] = "trainer"
     """Who quantizes a linear's input in FP8 rollout: ``trainer`` (default: the trainer's 1x128
     kernel and TE's rule, with vLLM's norm/activation+quant fusions off: the codes the trainer's
