@@ -196,7 +196,7 @@ def decode_child(args) -> dict:
     free, total = torch.cuda.mem_get_info()
     out = {"mode": args.mode, "fp8_gemm": _gemm(args, args.mode), "engine_start_s": start_s,
            "kv_cache_tokens": engine.kv_cache_tokens, "used_gib": (total - free) / 2**30, "cases": {},
-           "device": _device()}
+           "device": _device(), "layers": args.layers}
     for case in args.cases.split(","):
         b, t = (int(x) for x in case.split("x"))
         prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=g).tolist()
@@ -383,6 +383,7 @@ def step_runs(args) -> dict:
     from benchmarks.rl_summary import summarise
 
     results = {}
+    (Path(args.work) / "step.json").write_text("{}")  # no earlier run's results left behind if every mode fails
     warmup = step_warmup(args)
     steps = warmup + args.step_steps + (1 if args.profile else 0)
     for mode in args.step_modes.split(","):
@@ -477,20 +478,12 @@ def table(args) -> str:
         cut = [m for m, d in decode.items() if d.get("complete") is False]
         if cut:
             lines.append(f"(cut off before all cases finished: {', '.join(cut)}; missing cases show nan)")
-        target = args.headline_case
-        if "bf16" in decode and target in decode["bf16"]["cases"]:
-            for m in ("fp8-deep_gemm", "fp8kv-deep_gemm"):  # the engine's default GEMM; CUTLASS: the table only
-                if m in decode and target in decode[m]["cases"]:
-                    headline[f"vllm_decode_{m.replace('-', '_')}_over_bf16"] = (
-                        Figure.ratio(_tok_s(decode[m], target), _tok_s(decode["bf16"], target)), decode[m])
-        if all(m in decode and EXACT_CASE in decode[m]["cases"] for m in ("fp8", "fp8-exact")):
-            headline["vllm_exact_decode_over_default"] = (
-                Figure.ratio(_tok_s(decode["fp8-exact"], EXACT_CASE), _tok_s(decode["fp8"], EXACT_CASE)),
-                decode["fp8-exact"])
-        default = next((decode[m] for m in ("fp8-deep_gemm", "fp8") if m in decode), None)  # the engine's GEMM first
-        if default is not None:  # warm (decode --warm-start, in the figure's command) when measured, else the first
-            headline["vllm_engine_start_s"] = (
-                Figure.of([default.get("engine_start_warm_s", default["engine_start_s"])]), default)
+        shapes = {d.get("layers", args.layers) for d in decode.values()}  # older results: the table's --layers
+        if shapes != {HEADLINE_LAYERS}:
+            lines.append(f"(decode at {', '.join(map(str, sorted(shapes)))} layers: no headline figure, those are "
+                         f"of Qwen3-8B's {HEADLINE_LAYERS} layers)")
+        else:
+            headline.update(decode_headline(decode, args.headline_case))
         for m, d in decode.items():
             if "profile" in d:
                 p = d["profile"]
@@ -582,12 +575,35 @@ def table(args) -> str:
     return "\n".join(lines)
 
 
+HEADLINE_LAYERS = 36
+"""The decoder layers of the decode headline keys (Qwen3-8B's)."""
 HOST_PHASES, HOST_TOP = ("generate", "logprobs", "update"), 6
 """The profiled step's phases whose host split the table shows, and how many functions (and torch
 operators, where the phase recorded them) of each."""
 EXACT_CASE = "128x2048"
 """The decode case of ``vllm_exact_decode_over_default``."""
 LEGACY_COMMAND = "python -m benchmarks.bench_vllm (its arguments were not recorded with this result)"
+
+
+def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Figure, dict]]:
+    """The decode results' headline figures (key -> (figure, the result it came from)): FP8 and FP8 KV
+    over BF16 at ``target`` with the engine's default GEMM, exact over default FP8 at ``EXACT_CASE``, and
+    the engine start (warm when measured)."""
+    out = {}
+    if "bf16" in decode and target in decode["bf16"]["cases"]:
+        for m in ("fp8-deep_gemm", "fp8kv-deep_gemm"):  # the engine's default GEMM; CUTLASS: the table only
+            if m in decode and target in decode[m]["cases"]:
+                out[f"vllm_decode_{m.replace('-', '_')}_over_bf16"] = (
+                    Figure.ratio(_tok_s(decode[m], target), _tok_s(decode["bf16"], target)), decode[m])
+    if all(m in decode and EXACT_CASE in decode[m]["cases"] for m in ("fp8", "fp8-exact")):
+        out["vllm_exact_decode_over_default"] = (
+            Figure.ratio(_tok_s(decode["fp8-exact"], EXACT_CASE), _tok_s(decode["fp8"], EXACT_CASE)),
+            decode["fp8-exact"])
+    default = next((decode[m] for m in ("fp8-deep_gemm", "fp8") if m in decode), None)  # the engine's GEMM first
+    if default is not None:  # warm (decode --warm-start, in the figure's command) when measured, else the first
+        out["vllm_engine_start_s"] = (Figure.of([default.get("engine_start_warm_s", default["engine_start_s"])]),
+                                      default)
+    return out
 
 
 def _tok_s(decode: dict, case: str) -> list[float]:

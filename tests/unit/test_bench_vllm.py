@@ -232,6 +232,25 @@ def _table(work: Path, headline: Path) -> str:
     return bench_vllm.table(args)
 
 
+def test_decode_at_another_depth_gives_no_headline_figure(tmp_path):
+    """The decode keys are Qwen3-8B's 36 layers: results of another depth (recorded with each result;
+    older ones: the table's --layers) print their table and write no headline figure."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for mode, name, tok_s in (("bf16", "bf16", 500.0), ("fp8kv", "fp8kv-deep_gemm", 700.0),
+                              ("fp8kv-tri", "fp8kv-tri-deep_gemm", 450.0)):
+        (work / f"decode_{name}.json").write_text(json.dumps({**_decode(mode, {"256x4096": tok_s}), "layers": 16}))
+    headline = tmp_path / "headline.json"
+    text = _table(work, headline)
+    assert "fp8kv-tri-deep_gemm/bf16" in text and "0.90x" in text and "1.40x" in text
+    assert "decode at 16 layers: no headline figure" in text and not headline.exists()
+    for name in ("bf16", "fp8kv-deep_gemm", "fp8kv-tri-deep_gemm"):  # the same results at 36 layers do count
+        path = work / f"decode_{name}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "layers": 36}))
+    _table(work, headline)
+    assert json.loads(headline.read_text())["vllm_decode_fp8kv_deep_gemm_over_bf16"]["value"] == 1.4
+
+
 def test_the_step_runs_are_valid_jobs():
     """The overrides bench_vllm's step command passes to ``jetrl train`` load and resolve."""
     from megatron_jetrl.job import load_job, resolve
@@ -448,3 +467,15 @@ def test_an_offloaded_step_run_warms_up_two_steps(tmp_path, monkeypatch):
     assert result["seconds_per_step"]["colocate"] == [2.0, 2.0, 2.0]
     args = bench_vllm.build_parser().parse_args(["step", "--step-modes", "fp8", "--work", str(tmp_path)])
     assert bench_vllm.step_warmup(args) == 1
+
+
+def test_step_json_holds_the_modes_that_finished_and_nothing_older(tmp_path, monkeypatch):
+    """step.json is rewritten after every mode (a lane cut off keeps what finished), and a run whose
+    modes all fail leaves an empty one, not an earlier run's results."""
+    import subprocess
+
+    (tmp_path / "step.json").write_text(json.dumps({"fp8": {"seconds": {"step": 1.0}}}))  # an earlier run's
+    monkeypatch.setattr(bench_vllm.subprocess, "run", lambda cmd, **_: subprocess.CompletedProcess(cmd, 1))
+    args = bench_vllm.build_parser().parse_args(["step", "--step-modes", "fp8,bf16", "--work", str(tmp_path)])
+    assert bench_vllm.step_runs(args) == {}
+    assert json.loads((tmp_path / "step.json").read_text()) == {}

@@ -469,3 +469,12 @@ def test_the_fp8_kv_attention_backward_is_taken_at_the_values_the_cache_holds():
     assert torch.equal(dv, torch.where(clipped_v, torch.zeros((), dtype=dv.dtype), want[2]))
     values, inside = fp8_cache_values(q, scales[0:1])
     assert torch.equal(values, at[0]) and torch.equal(inside, ~clipped_q)
+    # over a BF16 cache: the gradient of the trainer's attention at the inputs themselves
+    ctx.saved_tensors = (q, k, v, ctx.saved_tensors[3], None)
+    plain = _ExactAttentionFn.backward(ctx, dout)
+    assert len(rest) == len(plain) - 3 == 7 and all(r is None for r in plain[3:])
+    assert all(torch.equal(a, b) for a, b in zip(seen["at"], (q, k, v), strict=True))
+    with torch.enable_grad():
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        want = torch.autograd.grad(attention(qg, kg, vg, None, 6, 0.1), (qg, kg, vg), dout)
+    assert all(torch.equal(a, b) for a, b in zip(plain[:3], want, strict=True))
