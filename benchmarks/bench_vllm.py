@@ -122,6 +122,12 @@ def _gemm(args, mode: str) -> str:
     return VllmOptions(fp8_gemm=args.fp8_gemm).fp8_gemm_for(_recipe(mode).exact)
 
 
+def decode_name(mode: str, gemm: str) -> str:
+    """A decode result's name (``decode_<name>.json``, its table column): the mode, and for an FP8 mode
+    on DeepGEMM the mode with ``-deep_gemm`` (its own column beside CUTLASS's)."""
+    return mode if gemm == "cutlass" or MODES[mode][0] == "bf16" else f"{mode}-{gemm}"
+
+
 def _recipe(mode: str):
     from megatron_jetrl.precision import PrecisionRecipe
 
@@ -446,7 +452,7 @@ def step_config(run_dir: Path) -> dict:
 def table(args) -> str:
     work = Path(args.work)
     load = lambda p: json.loads(p.read_text()) if p.is_file() else None  # noqa: E731
-    names = [m for mode in MODES for m in (mode, f"{mode}-deep_gemm") if MODES[mode][0] != "bf16" or m == mode]
+    names = list(dict.fromkeys(decode_name(mode, gemm) for mode in MODES for gemm in ("cutlass", "deep_gemm")))
     decode = {m: load(work / f"decode_{m}.json") for m in names}  # FP8 modes with DeepGEMM: their own columns
     decode = {m: d for m, d in decode.items() if d}
     sync = {f.stem[len("sync_"):]: load(f) for f in sorted(work.glob("sync_*.json"))}
@@ -692,7 +698,7 @@ def main(argv=None) -> int:
             p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
         for mode in args.modes.split(","):
             gemm = _gemm(args, mode)
-            name = mode if gemm == "cutlass" or MODES[mode][0] == "bf16" else f"{mode}-{gemm}"
+            name = decode_name(mode, gemm)
             result = run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else []),
                                name=name)
             if args.warm_start and result is not None:
