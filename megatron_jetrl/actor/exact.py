@@ -184,17 +184,16 @@ class _ExactAttentionFn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, cu_seqlens, kv_scales = ctx.saved_tensors
         max_seqlen, scale, attention = ctx.args
-        kept = None
+        inside = None
         if kv_scales is not None:  # the gradient where the forward computed: at the cache's values
-            (q, q_in), (k, k_in), (v, v_in) = (fp8_cache_values(t, kv_scales[i:i + 1]) for i, t in enumerate((q, k, v)))
-            kept = (q_in, k_in, v_in)
+            (q, k, v), inside = zip(*(fp8_cache_values(t, kv_scales[i:i + 1]) for i, t in enumerate((q, k, v))),
+                                    strict=True)
         with torch.enable_grad():
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             out = attention(qg, kg, vg, cu_seqlens, max_seqlen, scale)
             grads = torch.autograd.grad(out, (qg, kg, vg), dout)
-        if kept is not None:
-            grads = tuple(torch.where(inside, g, torch.zeros((), dtype=g.dtype, device=g.device))
-                          for g, inside in zip(grads, kept, strict=True))
+        if inside is not None:
+            grads = tuple(g.masked_fill(~kept, 0) for g, kept in zip(grads, inside, strict=True))
         return *grads, None, None, None, None, None, None, None
 
 
