@@ -75,14 +75,17 @@ def timed(fn, steps: int) -> list[float]:
     return out
 
 
-MODES = {"bf16": ("bf16", "native", "gemm"), "fp8": ("fp8", "native", "gemm"), "fp8-te": ("fp8", "te", "gemm"),
-         "bf16-te": ("bf16", "te", "gemm"), "fp8-dgw": ("fp8", "native", "deep_gemm")}
-"""--modes: name -> (precision.mode, actor.fp8_backend, actor.fp8_wgrad). fp8-dgw is the native FP8
-step with DeepGEMM's WGrad accumulating into the fp32 main grads. fp8-te is Transformer Engine's layer spec; TE
-must be imported with the recipe's environment: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 torchrun ...
-bf16-te is TE's layer spec in BF16 (its fused norms and cuDNN attention, BF16 GEMMs): TE's FP8
-against it gains only what FP8 GEMMs gain. A te mode whose actor built the native layers stops
-before timing rather than time them under TE's name."""
+MODES = {"bf16": ("bf16", "native", "gemm", "torch"), "fp8": ("fp8", "native", "gemm", "torch"),
+         "fp8-te": ("fp8", "te", "gemm", "torch"), "bf16-te": ("bf16", "te", "gemm", "torch"),
+         "fp8-dgw": ("fp8", "native", "deep_gemm", "torch"),
+         "bf16-ta": ("bf16", "native", "gemm", "te"), "fp8-ta": ("fp8", "native", "gemm", "te")}
+"""--modes: name -> (precision.mode, actor.fp8_backend, actor.fp8_wgrad, actor.attention_impl). fp8-dgw is
+the native FP8 step with DeepGEMM's WGrad accumulating into the fp32 main grads. fp8-te is Transformer
+Engine's layer spec; TE must be imported with the recipe's environment: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
+torchrun ... bf16-te is TE's layer spec in BF16 (its fused norms and cuDNN attention, BF16 GEMMs): TE's
+FP8 against it gains only what FP8 GEMMs gain. bf16-ta / fp8-ta are the native layers attending with TE's
+DotProductAttention (cuDNN), the attention TE's layer spec runs. A te mode whose actor built the native
+layers stops before timing rather than time them under TE's name."""
 
 RATIOS = {  # headline key -> (baseline mode, measured mode, timings)
     "actor_step_fp8_over_bf16": ("bf16", "fp8", "step_s_all"),
@@ -91,6 +94,8 @@ RATIOS = {  # headline key -> (baseline mode, measured mode, timings)
     "actor_step_te_fp8_over_te_bf16": ("bf16-te", "fp8-te", "step_s_all"),
     "actor_step_te_fp8_over_fp8": ("fp8", "fp8-te", "step_s_all"),
     "actor_step_fp8_deep_gemm_wgrad_over_bf16": ("bf16", "fp8-dgw", "step_s_all"),
+    "actor_step_fp8_over_bf16_te_attention": ("bf16-ta", "fp8-ta", "step_s_all"),
+    "actor_step_te_fp8_over_fp8_te_attention": ("fp8-ta", "fp8-te", "step_s_all"),
 }
 """The speed-ups the benchmark reports: median baseline time / median measured time (> 1: the
 measured mode is faster), spread over the paired repeats (``Figure.ratio``)."""
@@ -104,17 +109,17 @@ def speedups(by_mode: Mapping[str, Mapping]) -> dict[str, Figure]:
 
 def actor_settings(mode: str, args) -> ActorSettings:
     """The actor of ``mode`` as the benchmark builds it (and plans its memory)."""
-    precision, backend, wgrad = MODES[mode]
+    precision, backend, wgrad, attention = MODES[mode]
     return ActorSettings(
         parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
         precision=PrecisionRecipe(mode=precision), max_tokens_per_microbatch=args.mb_tokens,
         optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend, fp8_wgrad=wgrad, logprob_impl=args.logprob_impl,
-        elementwise_impl=args.elementwise_impl,
+        elementwise_impl=args.elementwise_impl, attention_impl=attention,
     )
 
 
 def run_mode(mode: str, args, bridge) -> dict:
-    precision, backend, _ = MODES[mode]
+    precision, backend, _, _ = MODES[mode]
     actor = Actor(bridge, actor_settings(mode, args))
     if backend == "te" and any(isinstance(m, PackedCoreAttention) for m in actor.gpt.modules()):
         actor.close()

@@ -45,6 +45,10 @@ KEYS = {  # key -> (what it is, target or "")
                                                  "(actor.fp8_wgrad=deep_gemm) over BF16", "≥ 1.3×"),
     "actor_step_te_fp8_over_fp8": ("actor step with Transformer Engine's FP8 layers over the native FP8 ones",
                                    ""),
+    "actor_step_fp8_over_bf16_te_attention": ("actor step, FP8 over BF16, native layers with Transformer "
+                                              "Engine's (cuDNN) attention in both", ""),
+    "actor_step_te_fp8_over_fp8_te_attention": ("actor step with Transformer Engine's FP8 layers over the native "
+                                                "FP8 ones with TE's attention (the same attention kernels)", ""),
     "logprob_fp8_over_bf16": ("logprob pass of the actor, FP8 over BF16", ""),
     "vllm_decode_fp8_deep_gemm_over_bf16": ("vLLM decode tok/s, FP8 with DeepGEMM (the engine's default GEMM) over "
                                             "BF16, Qwen3-8B × 36, 256 × 4,096", ""),

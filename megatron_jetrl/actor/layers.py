@@ -3,7 +3,11 @@
 - ``PackedCoreAttention`` replaces the local ``DotProductAttention``, which materialises the
   [s, s] score matrix and rejects packed sequences. It runs causal attention per sequence of a
   packed ``thd`` batch: flash attention varlen (``torch.nn.attention.varlen``) on CUDA in
-  BF16/FP16, and a per-sequence ``scaled_dot_product_attention`` otherwise (the reference).
+  BF16/FP16, and a per-sequence ``scaled_dot_product_attention`` otherwise (the reference). With
+  ``actor.attention_impl=te`` (``TE_ATTENTION_ATTR``) it calls Transformer Engine's
+  ``DotProductAttention`` on the same ``thd`` layout instead (cuDNN's fused attention on Hopper,
+  the kernels TE's own layer spec runs), kept outside the module tree so that the checkpoint keys
+  stay the native layers' (a TE module would add its ``_extra_state``).
 - RoPE over packed sequences without a host sync: megatron's unfused ``thd`` RoPE reads the
   sequence lengths to the host (``.tolist()``) at every call, twice a layer, and the CPU waits
   for the GPU each time. ``apply_rotary_pos_emb_packed`` gathers the same frequency rows by each
@@ -87,6 +91,28 @@ def packed_causal_attention(
     return reference_packed_causal_attention(q_THD, k_THD, v_THD, cu_seqlens, scale)
 
 
+def te_packed_causal_attention(config, layer_number: int, scale: float):
+    """``packed_causal_attention``'s contract on Transformer Engine's ``DotProductAttention`` (``thd``,
+    causal within each sequence, this TP rank's heads): a function of (q [T, Hq, D], k/v [T, Hkv, D],
+    cu_seqlens, max_seqlen) -> [T, Hq, D]. TE picks its backend per call; on Hopper in BF16/FP16 that is
+    cuDNN's fused attention (``tests/gpu/test_te_backend.py`` checks it)."""
+    from transformer_engine.pytorch import DotProductAttention
+
+    tp = config.tensor_model_parallel_size
+    heads = config.num_attention_heads // tp
+    groups = (config.num_query_groups or config.num_attention_heads) // tp
+    attention = DotProductAttention(heads, config.kv_channels, num_gqa_groups=groups, qkv_format="thd",
+                                    attn_mask_type="padding_causal", softmax_scale=scale, layer_number=layer_number)
+
+    def attend(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen):
+        cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
+        out = attention(q_THD, k_THD, v_THD, qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu,
+                        cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+        return out.view(q_THD.shape[0], q_THD.shape[1], -1)
+
+    return attend
+
+
 def packed_positions(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     """Each packed token's position in its own sequence ([T] int64), computed where ``cu_seqlens``
     lives, without reading it on the host."""
@@ -136,6 +162,10 @@ otherwise): RoPE goes through ``ops.exact.rope`` with it."""
 
 COMPILED_ROPE_ATTR = "jetrl_compiled_rope"
 """Set on the TransformerConfig: True when packed RoPE runs compiled (``actor.elementwise_impl``)."""
+
+TE_ATTENTION_ATTR = "jetrl_te_attention"
+"""Set on the TransformerConfig: True when the packed attention is Transformer Engine's
+(``actor.attention_impl=te``)."""
 
 
 def rope_rotate(t_THD: torch.Tensor, cos_T1D: torch.Tensor, sin_T1D: torch.Tensor) -> torch.Tensor:
@@ -224,8 +254,13 @@ class PackedCoreAttention(MegatronModule):
         self.exact_kv_scales: Optional[torch.Tensor] = None
         """Set by an exact-mode actor whose engine keeps an FP8 KV cache: this layer's (q, k, v)
         scales ([3] fp32, on the device) the engine computes with now."""
+        self.te_attention = (te_packed_causal_attention(config, layer_number, self.softmax_scale)
+                             if getattr(config, TE_ATTENTION_ATTR, False) else None)
+        """Transformer Engine's attention (``actor.attention_impl=te``): a plain function, not a submodule."""
 
     def _attend(self, q, k, v, cu_seqlens, max_seqlen):
+        if self.exact_kernels is None and self.te_attention is not None:
+            return self.te_attention(q, k, v, cu_seqlens, max_seqlen)
         if self.exact_kernels is None:
             return packed_causal_attention(q, k, v, cu_seqlens, max_seqlen, self.softmax_scale)
         positions = _positions(cu_seqlens, q.shape[0], q.device)

@@ -33,8 +33,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_jetrl.actor.exact import ExactRMSNorm, bind_exact_forward
-from megatron_jetrl.actor.layers import (COMPILED_ROPE_ATTR, EXACT_ATTR, PackedCoreAttention, _Fp8LinearMixin,
-                                         local_layer_spec, norm_class)
+from megatron_jetrl.actor.layers import (COMPILED_ROPE_ATTR, EXACT_ATTR, TE_ATTENTION_ATTR, PackedCoreAttention,
+                                         _Fp8LinearMixin, local_layer_spec, norm_class)
 from megatron_jetrl.actor.settings import ActorSettings
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import ModelBridge
@@ -95,6 +95,20 @@ def check_te_backend(settings: ActorSettings, num_layers: int) -> dict:
     return te.megatron_kwargs
 
 
+def check_te_attention(settings: ActorSettings) -> bool:
+    """Whether the native layers attend with Transformer Engine (``actor.attention_impl=te``), after
+    checking TE is importable and the mode is not exact (whose attention is vLLM's FlashAttention)."""
+    if settings.attention_impl != "te":
+        return False
+    if settings.precision.exact:
+        raise ConfigError("actor.attention_impl", "te", "precision.exact attends with vLLM's FlashAttention "
+                          "forward, differentiated with torch's: set actor.attention_impl=torch")
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("actor.attention_impl", "te",
+                          "Transformer Engine is not installed; install it or set actor.attention_impl=torch")
+    return True
+
+
 def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> TransformerConfig:
     recipe = settings.precision
     dtype = recipe.compute_dtype
@@ -117,6 +131,7 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
     # the packed RoPE (actor/layers.py) reads these two
     setattr(config, EXACT_ATTR, float(bridge.dims.rope_theta) if recipe.exact else None)
     setattr(config, COMPILED_ROPE_ATTR, fused)
+    setattr(config, TE_ATTENTION_ATTR, check_te_attention(settings))
     return config
 
 

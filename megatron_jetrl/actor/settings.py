@@ -83,7 +83,11 @@ class ActorSettings:
     forward and one backward, rounded once; RoPE as one compiled kernel each way with megatron's
     roundings, so its bits are megatron's; 7 % off the 8B-shaped actor step on an H200) or ``eager``
     (megatron's eager ops: several strided kernels per SwiGLU and about ten per RoPE, forward and
-    backward). The exact mode keeps its own forward (``ops.exact``) either way.
+    backward). The exact mode keeps its own forward (``ops.exact``) either way. ``attention_impl``: the
+    native layers' causal attention over packed sequences (``actor/layers.py``): ``torch`` (default;
+    torch's FlashAttention-2 varlen kernels) or ``te`` (Transformer Engine's ``DotProductAttention`` on
+    the packed ``thd`` layout: cuDNN's fused attention on Hopper, the attention of the te backend;
+    needs Transformer Engine installed, and not with ``precision.exact``).
     """
 
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
@@ -99,15 +103,19 @@ class ActorSettings:
     recompute: Literal["none", "full"] = "none"
     logprob_impl: Literal["eager", "compiled"] = "compiled"
     elementwise_impl: Literal["eager", "compiled"] = "compiled"
+    attention_impl: Literal["torch", "te"] = "torch"
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     seed: int = 1234
 
     def __post_init__(self) -> None:
         check_fields(self, "actor", ("fp8_backend", "fp8_gemm", "fp8_wgrad", "recompute", "logprob_impl",
-                                      "elementwise_impl"))
+                                      "elementwise_impl", "attention_impl"))
         if self.fp8_wgrad != "gemm" and self.fp8_backend != "native":
             raise ConfigError("actor.fp8_wgrad", self.fp8_wgrad, f"is the native FP8 linears' WGrad; the "
                               f"{self.fp8_backend!r} backend runs its own: set actor.fp8_wgrad=gemm")
+        if self.attention_impl != "torch" and self.fp8_backend != "native":
+            raise ConfigError("actor.attention_impl", self.attention_impl, f"is the native layers' attention; the "
+                              f"{self.fp8_backend!r} backend runs its own: set actor.attention_impl=torch")
         if not isinstance(self.parallel, ParallelLayout):
             raise ConfigError("actor.parallel", self.parallel, "must be a ParallelLayout")
         if not isinstance(self.precision, PrecisionRecipe):

@@ -26,7 +26,7 @@ def megatron_cpu(monkeypatch):
     torch.distributed.destroy_process_group()
 
 
-def _model(bridge, mode, elementwise_impl="compiled", **fp8):
+def _model(bridge, mode, elementwise_impl="compiled", attention_impl="torch", **fp8):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_jetrl.actor import ActorSettings
@@ -35,7 +35,8 @@ def _model(bridge, mode, elementwise_impl="compiled", **fp8):
     from megatron_jetrl.precision import PrecisionRecipe
 
     recipe = build(PrecisionRecipe, {"mode": mode, "fp8": fp8}, "precision")
-    settings = ActorSettings(precision=recipe, fp8_gemm="emulate", elementwise_impl=elementwise_impl)
+    settings = ActorSettings(precision=recipe, fp8_gemm="emulate", elementwise_impl=elementwise_impl,
+                             attention_impl=attention_impl)
     config = transformer_config(bridge, settings)
     config.use_cpu_initialization = True
     torch.manual_seed(0)
@@ -155,3 +156,66 @@ def test_compiled_elementwise_is_the_eager_layer_to_rounding(megatron_cpu):
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
     for name, g in ref_grads.items():
         assert ((got_grads[name] - g).norm() / g.norm()).item() < 3e-2, name
+
+
+def test_te_attention_gets_the_packed_layout_and_stays_out_of_the_checkpoint(megatron_cpu, monkeypatch):
+    """actor.attention_impl=te: each layer's PackedCoreAttention calls Transformer Engine's
+    DotProductAttention (here a stand-in computing the reference attention, TE being a GPU package)
+    with this rank's heads and query groups, the thd layout, causal-within-sequence masking, int32
+    cu_seqlens and the micro-batch's max_seqlen; its output [T, H*D] is the torch path's, and the
+    model's parameters and checkpoint keys are the native layers' (no TE module in the tree)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_jetrl.actor.layers import reference_packed_causal_attention
+    from megatron_jetrl.models import bridge_for
+    from tests.model_fixtures import tiny_hf_model
+
+    built, calls = [], []
+
+    class StandIn:
+        def __init__(self, heads, kv_channels, **kwargs):
+            built.append((heads, kv_channels, kwargs))
+            self.scale = kwargs["softmax_scale"]
+
+        def __call__(self, q, k, v, **kwargs):
+            calls.append(kwargs)
+            out = reference_packed_causal_attention(q, k, v, kwargs["cu_seqlens_q"], self.scale)
+            return out.reshape(out.shape[0], -1)
+
+    te = types.ModuleType("transformer_engine")
+    te.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
+    te_pytorch = types.ModuleType("transformer_engine.pytorch")
+    te_pytorch.DotProductAttention = StandIn
+    te.pytorch = te_pytorch
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pytorch)
+
+    hf = tiny_hf_model("Qwen3ForCausalLM", num_layers=2).config
+    bridge = bridge_for(hf.to_dict())
+    native, _ = _model(bridge, "bf16")
+    with_te, _ = _model(bridge, "bf16", attention_impl="te")
+    assert sorted(with_te.state_dict()) == sorted(native.state_dict())
+    assert [n for n, _ in with_te.named_modules()] == [n for n, _ in native.named_modules()]
+    heads, groups, head_dim = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim
+    assert [(b[0], b[1]) for b in built] == [(heads, head_dim)] * 2
+    assert {(b[2]["num_gqa_groups"], b[2]["qkv_format"], b[2]["attn_mask_type"]) for b in built} == {
+        (groups, "thd", "padding_causal")}
+
+    with_te.load_state_dict(native.state_dict())
+    cu = torch.tensor([0, 40, 100])  # int64 here: the attention gets int32
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=60, max_seqlen_kv=60)
+    tokens = torch.randint(0, 1000, (1, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = native(tokens, None, None, packed_seq_params=packed)
+        got = with_te(tokens, None, None, packed_seq_params=packed)
+    assert torch.equal(got, ref)
+    assert len(calls) == 2
+    for kw in calls:
+        assert (kw["qkv_format"], kw["attn_mask_type"], kw["max_seqlen_q"], kw["max_seqlen_kv"]) == (
+            "thd", "padding_causal", 60, 60)
+        assert kw["cu_seqlens_q"].dtype == kw["cu_seqlens_kv"].dtype == torch.int32
+        assert kw["cu_seqlens_q"].tolist() == [0, 40, 100]

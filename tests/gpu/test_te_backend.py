@@ -1,7 +1,8 @@
 """The te backend on the GPU host: Transformer Engine's layer spec with Float8BlockScaling
 and fp32 scales. Its FP8 weights are the reference 128x128 quantization byte for byte and the bytes
 TE cached for its own FProp; its logprobs sit as close to BF16 as the native backend's; steps lower
-the loss; the hf engine and real vLLM hold TE's bytes after a sync, before and after a step.
+the loss; the hf engine and real vLLM hold TE's bytes after a sync, before and after a step. And the
+native layers' ``actor.attention_impl=te``: TE's fused (cuDNN) attention over packed sequences.
 
 Skipped where Transformer Engine is not installed, unless ``JETRL_REQUIRE_TE=1`` (set on the GPU
 host once benchmarks/gpu_host/te_install.sh installed it) makes a missing TE fail."""
@@ -90,3 +91,37 @@ def test_te_backend_builds_tes_layers_in_bf16_too(te):
     r = data["results"]["te/logprobs"]
     assert r["te_layers"] == {"fp8": True, "bf16": True}, r
     assert r["te_bf16_vs_bf16_mean"] < 0.5 * r["native_vs_bf16_mean"], r
+
+
+def test_te_packed_attention_runs_cudnn_and_matches_torchs_flash_attention():
+    """``actor.attention_impl=te`` at Qwen3-8B's heads (32 query, 8 KV, head dim 128) over three packed
+    sequences of unequal length: TE picks its fused (cuDNN) backend, and output and gradients agree with
+    torch's FlashAttention-2 varlen (the default) to BF16 rounding; two kernels, so not bit for bit."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+
+    from megatron_jetrl.actor.layers import packed_causal_attention, te_packed_causal_attention
+
+    config = SimpleNamespace(tensor_model_parallel_size=1, num_attention_heads=32, num_query_groups=8, kv_channels=128)
+    lengths = [700, 1300, 2048]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    T, scale = sum(lengths), 1 / math.sqrt(128)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(T, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(T, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    grad = torch.randn(T, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    attend = te_packed_causal_attention(config, 1, scale)
+    results = {}
+    for name, fn in (("te", attend), ("torch", lambda *a: packed_causal_attention(*a, scale))):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs, cu, max(lengths))
+        out.backward(grad)
+        results[name] = [out.detach().float(), *(t.grad.float() for t in inputs)]
+    assert dpa._attention_backends["use_fused_attention"], dpa._attention_backends
+    for what, got, want in zip(("out", "dq", "dk", "dv"), results["te"], results["torch"], strict=True):
+        assert got.shape == want.shape, what
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-2, (what, rel)

@@ -141,6 +141,10 @@ def test_settings_validation_names_the_key():
         ActorSettings(fp8_backend="cublas")
     with pytest.raises(ConfigError, match="actor.max_tokens_per_microbatch"):
         ActorSettings(max_tokens_per_microbatch=0)
+    with pytest.raises(ConfigError, match="actor.attention_impl.*set actor.attention_impl=torch"):
+        ActorSettings(fp8_backend="te", attention_impl="te")  # TE's layers attend with TE already
+    with pytest.raises(ConfigError, match="actor.attention_impl"):
+        ActorSettings(attention_impl="flash")
     with pytest.raises(ConfigError, match="actor.optimizer.min_lr"):
         OptimizerSettings(lr=1e-6, min_lr=1e-5)
     with pytest.raises(ConfigError, match="actor.optimizer.decay_steps"):
@@ -148,6 +152,24 @@ def test_settings_validation_names_the_key():
     with pytest.raises(ConfigError, match=r"TP x PP = 4 must divide the world size \(6 processes\)"):
         ActorSettings(parallel=ParallelLayout(tp=2, pp=2)).data_parallel_size(6)
     assert ActorSettings(parallel=ParallelLayout(tp=2)).data_parallel_size(8) == 4
+
+
+def test_te_attention_is_refused_without_te_and_in_the_exact_mode(monkeypatch):
+    pytest.importorskip("megatron.core")
+    import importlib.util
+
+    from megatron_jetrl.actor.model import check_te_attention
+    from megatron_jetrl.precision import PrecisionRecipe
+
+    assert check_te_attention(ActorSettings()) is False  # torch's: nothing to check
+    exact = ActorSettings(precision=PrecisionRecipe(mode="fp8", exact=True), attention_impl="te")
+    with pytest.raises(ConfigError, match="actor.attention_impl.*precision.exact"):
+        check_te_attention(exact)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match="actor.attention_impl.*Transformer Engine is not installed"):
+        check_te_attention(ActorSettings(attention_impl="te"))
 
 
 def test_packed_attention_reference_equals_masked_softmax():

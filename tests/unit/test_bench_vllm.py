@@ -311,16 +311,20 @@ def test_actor_step_speedups_are_written_only_for_modes_that_ran(tmp_path):
     assert set(RATIOS) <= set(KEYS)
     assert {m for base, measured, _ in RATIOS.values() for m in (base, measured)} <= set(MODES)
     assert MODES["bf16-te"][:2] == ("bf16", "te") and MODES["fp8-te"][:2] == ("fp8", "te")
-    assert MODES["fp8-dgw"] == ("fp8", "native", "deep_gemm")
+    assert MODES["fp8-dgw"] == ("fp8", "native", "deep_gemm", "torch")
+    assert MODES["bf16-ta"] == ("bf16", "native", "gemm", "te") and MODES["fp8-ta"] == ("fp8", "native", "gemm", "te")
 
     def row(step_s, logprob_s):
         return {"step_s_all": step_s, "logprob_s_all": logprob_s}
 
     rows = {"bf16": row([2.0, 2.2, 2.1], [1.0] * 3), "fp8": row([1.6, 2.0, 1.4], [0.8] * 3),
             "fp8-te": row([1.5, 1.6, 1.4], [0.7] * 3), "bf16-te": row([1.8, 1.8, 1.8], [0.9] * 3),
-            "fp8-dgw": row([1.5, 1.8, 1.3], [0.8] * 3)}
+            "fp8-dgw": row([1.5, 1.8, 1.3], [0.8] * 3), "bf16-ta": row([1.9, 2.0, 1.9], [0.95] * 3),
+            "fp8-ta": row([1.55, 1.6, 1.5], [0.75] * 3)}
     figs = speedups(rows)
     assert set(figs) == set(RATIOS)
+    assert figs["actor_step_fp8_over_bf16_te_attention"].value == pytest.approx(1.9 / 1.55)
+    assert figs["actor_step_te_fp8_over_fp8_te_attention"].value == pytest.approx(1.55 / 1.5)
     assert figs["actor_step_fp8_deep_gemm_wgrad_over_bf16"].value == pytest.approx(2.1 / 1.5)
     te_over_fp8 = figs["actor_step_te_fp8_over_fp8"]  # native FP8 time / TE FP8 time
     assert te_over_fp8.value == pytest.approx(1.6 / 1.5) and te_over_fp8.repeats == 3

@@ -252,6 +252,7 @@ def test_an_exact_job_loads_and_round_trips():
     ("rollout.engine=hf", "rollout.engine"),
     ("actor.fp8_backend=te", "actor.fp8_backend"),
     ("actor.fp8_backend=te precision.mode=bf16", "actor.fp8_backend"),  # TE's layers in BF16 too
+    ("actor.attention_impl=te", "actor.attention_impl"),
     ("actor.parallel.tp=4 rollout.vllm.tensor_parallel_size=4", "actor.parallel.tp"),
     ("actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size"),
     ("rollout.vllm.tensor_parallel_size=2", "rollout.vllm.tensor_parallel_size"),
