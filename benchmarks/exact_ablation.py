@@ -22,8 +22,12 @@ compared (max |Δ|, share of unequal elements) and the first op whose outputs di
 With the exact engine, the trainer swaps one op at a time back to its default kernel (the rest
 stays exact) and the sampled tokens are scored again: how much each op alone contributes.
 
+Each run samples the same prompts with ``--seeds`` seeds (default 3): the repeats of its mismatch
+figures (the ablation and the per-op comparison use seed 1's samples).
+
 Headline keys (written by ``all --headline``): ``vllm_k3_{fp8,mixed,bf16}_8b6`` (default engine),
-``vllm_exact_max_abs_dlogp`` (the largest |Δlogp| over the exact runs; goal 0).
+``vllm_exact_max_abs_dlogp`` (the largest |Δlogp| over the exact runs; goal 0), each the median and
+range over the seeds.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -267,11 +272,16 @@ def child(args) -> dict:
     sync.sync(actor.weight_shards(), engine)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (shape["prompt_len"],), generator=g).tolist() for _ in range(shape["prompts"])]
-    engine.wake()
-    samples = engine.generate(prompts, SamplingParams(n=shape["n"], temperature=1.0,
-                                                      max_new_tokens=shape["new_tokens"], seed=1))
-    engine.sleep()
-    out["mismatch"], _ = score(actor, prompts, samples)
+    repeats = []
+    for seed in range(1, args.seeds + 1):  # the same prompts sampled again with another seed: a repeat
+        engine.wake()
+        drawn = engine.generate(prompts, SamplingParams(n=shape["n"], temperature=1.0,
+                                                        max_new_tokens=shape["new_tokens"], seed=seed))
+        engine.sleep()
+        repeats.append(score(actor, prompts, drawn)[0])
+        if seed == 1:
+            samples = drawn
+    out["mismatch"], out["repeats"] = repeats[0], repeats
     if exact:
         out["ablation"] = {}
         for op in ABLATIONS:
@@ -327,7 +337,7 @@ def run_all(args) -> None:
             if engine == "batch_invariant":
                 env["VLLM_BATCH_INVARIANT"] = "1"
             cmd = [sys.executable, "-m", "benchmarks.exact_ablation", "_child", "--model", model, "--engine", engine,
-                   "--mode", mode, "--result", str(result)]
+                   "--mode", mode, "--result", str(result), "--seeds", str(args.seeds)]
             t0 = time.perf_counter()
             with open(work / f"{name}.log", "w") as log:
                 rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
@@ -346,7 +356,10 @@ def table(work: Path, headline: str | None = None, command: str = "") -> str:
              "| first op that differs |", "|---|---|---|---:|---:|---:|---:|---|"]
     for r in runs.values():
         m = r["mismatch"]
-        lines.append(f"| {r['model']} | {r['engine']} | {r['mode']} | {m['rollout_corr/k3_kl']:.3g} | "
+        k3 = [x["rollout_corr/k3_kl"] for x in repeats_of(r)]
+        k3_cell = f"{m['rollout_corr/k3_kl']:.3g}" if len(k3) == 1 else (
+            f"{statistics.median(k3):.3g} ({min(k3):.3g}-{max(k3):.3g}, {len(k3)} seeds)")
+        lines.append(f"| {r['model']} | {r['engine']} | {r['mode']} | {k3_cell} | "
                      f"{m['rollout_corr/max_abs_dlogp']:.3g} | {m['unequal_share']:.2%} | "
                      f"{m['token_mult_prob_error']:.4f} | {r.get('first_differing_op') or 'none'} |")
     ablations = [r for r in runs.values() if r.get("ablation")]
@@ -370,20 +383,34 @@ def table(work: Path, headline: str | None = None, command: str = "") -> str:
     if headline:
         from benchmarks.headline import Figure, update
 
-        values = {}
-        for mode, key in (("fp8", "fp8"), ("bf16-train+fp8-rollout", "mixed"), ("bf16", "bf16")):
-            r = runs.get(f"8b6_default_{mode}")
-            if r:
-                values[f"vllm_k3_{key}_8b6"] = r["mismatch"]["rollout_corr/k3_kl"]
-        exact = [r for r in runs.values() if r["engine"] == "exact"]
-        if exact:
-            values["vllm_exact_max_abs_dlogp"] = max(r["mismatch"]["rollout_corr/max_abs_dlogp"] for r in exact)
-        device = next(iter(runs.values()))["device"]
-        models = ",".join(sorted({r["model"] for r in runs.values()}))
-        # each a single measurement (one run per model and mode, its largest or mean mismatch)
-        update(headline, {k: Figure.of([v]) for k, v in values.items()}, device=device,
-               command=command or f"python -m benchmarks.exact_ablation all --models {models} (then table --headline)")
+        update(headline, headline_figures(runs), device=next(iter(runs.values()))["device"],
+               command=command or "python -m benchmarks.exact_ablation all --models "
+                                  f"{','.join(sorted({r['model'] for r in runs.values()}))} (then table --headline)")
     return text
+
+
+def repeats_of(run: dict) -> list[dict]:
+    """A run's mismatch metrics, one per sampling seed (older results: the one)."""
+    return run.get("repeats") or [run["mismatch"]]
+
+
+def headline_figures(runs: dict[str, dict]) -> dict:
+    """``vllm_k3_{fp8,mixed,bf16}_8b6``: the default engine's k3 KL at 8b6, median and range over the
+    sampling seeds; ``vllm_exact_max_abs_dlogp``: per seed, the largest |Δlogp| over the exact runs,
+    then median and range over the seeds (seeds every exact run has)."""
+    from benchmarks.headline import Figure
+
+    figures = {}
+    for mode, key in (("fp8", "fp8"), ("bf16-train+fp8-rollout", "mixed"), ("bf16", "bf16")):
+        r = runs.get(f"8b6_default_{mode}")
+        if r:
+            figures[f"vllm_k3_{key}_8b6"] = Figure.of([m["rollout_corr/k3_kl"] for m in repeats_of(r)])
+    exact = [repeats_of(r) for r in runs.values() if r["engine"] == "exact"]
+    if exact:
+        seeds = min(len(reps) for reps in exact)
+        figures["vllm_exact_max_abs_dlogp"] = Figure.of(
+            [max(reps[i]["rollout_corr/max_abs_dlogp"] for reps in exact) for i in range(seeds)])
+    return figures
 
 
 def main(argv=None) -> int:
@@ -395,6 +422,8 @@ def main(argv=None) -> int:
     p.add_argument("--headline", default=None)
     p.add_argument("--again", action="store_true", help="rerun runs whose results exist")
     p.add_argument("--timeout", type=int, default=1200)
+    p.add_argument("--seeds", type=int, default=3,
+                   help="sampling seeds per run (the repeats of the mismatch figures; the ablation uses seed 1's)")
     p.add_argument("--model", choices=sorted(MODELS))
     p.add_argument("--engine", choices=["default", "batch_invariant", "exact"])
     p.add_argument("--mode")

@@ -483,3 +483,34 @@ def test_step_json_holds_the_modes_that_finished_and_nothing_older(tmp_path, mon
     args = bench_vllm.build_parser().parse_args(["step", "--step-modes", "fp8,bf16", "--work", str(tmp_path)])
     assert bench_vllm.step_runs(args) == {}
     assert json.loads((tmp_path / "step.json").read_text()) == {}
+
+
+def test_exact_ablation_headline_is_the_median_over_sampling_seeds(tmp_path):
+    """exact_ablation's headline figures: the default engine's k3 KL at 8b6 per mode, and the largest
+    |Δlogp| over the exact runs taken per seed; both the median and range over the seeds. An older
+    result without repeats counts as one measurement."""
+    from benchmarks.exact_ablation import headline_figures, table
+
+    def run(model, engine, mode, k3s, dlogps):
+        reps = [{"rollout_corr/k3_kl": k, "rollout_corr/max_abs_dlogp": d, "unequal_share": 0.0,
+                 "token_mult_prob_error": 1.0} for k, d in zip(k3s, dlogps, strict=True)]
+        return {"model": model, "engine": engine, "mode": mode, "device": "GPU X", "mismatch": reps[0],
+                "repeats": reps, "ops": {}}
+
+    runs = {"8b6_default_fp8": run("8b6", "default", "fp8", [0.02, 0.01, 0.03], [1.0, 2.0, 3.0]),
+            "8b6_default_bf16": run("8b6", "default", "bf16", [4e-4], [0.5]),
+            "8b6_exact_fp8": run("8b6", "exact", "fp8", [0.0] * 3, [0.0, 0.0, 0.0]),
+            "tiny_exact_bf16": run("tiny", "exact", "bf16", [0.0] * 3, [0.0, 0.25, 0.0])}
+    figs = headline_figures(runs)
+    assert set(figs) == {"vllm_k3_fp8_8b6", "vllm_k3_bf16_8b6", "vllm_exact_max_abs_dlogp"}
+    k3 = figs["vllm_k3_fp8_8b6"]
+    assert (k3.value, k3.repeats, k3.spread) == (0.02, 3, (0.01, 0.03))
+    assert figs["vllm_k3_bf16_8b6"].repeats == 1
+    exact = figs["vllm_exact_max_abs_dlogp"]  # per seed: max(0, 0), max(0, 0.25), max(0, 0)
+    assert (exact.value, exact.repeats, exact.spread) == (0.0, 3, (0.0, 0.25))
+    for name, r in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    text = table(tmp_path, str(tmp_path / "headline.json"), command="python -m benchmarks.exact_ablation all")
+    assert "| 8b6 | default | fp8 | 0.02 (0.01-0.03, 3 seeds) |" in text
+    data = json.loads((tmp_path / "headline.json").read_text())
+    assert data["vllm_k3_fp8_8b6"]["repeats"] == 3 and data["vllm_k3_fp8_8b6"]["spread"] == [0.01, 0.03]
