@@ -381,7 +381,7 @@ def table(work: Path, headline: str | None = None, command: str = "") -> str:
         lines.append(f"- {r['model']} {r['engine']} {r['mode']}: {cells}")
     text = "\n".join(lines)
     if headline:
-        from benchmarks.headline import Figure, update
+        from benchmarks.headline import update
 
         update(headline, headline_figures(runs), device=next(iter(runs.values()))["device"],
                command=command or "python -m benchmarks.exact_ablation all --models "
