@@ -21,7 +21,8 @@
 # exact-mode runs only; rl-exact-kv: those with an FP8 KV cache), actor-close (the actor's close
 # frees its memory), exact (the exact rollout's one-GPU tests; exact-tiny / exact-8b: at the tiny
 # model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs; exact-kv: with an FP8 KV cache),
-# or a test file.
+# te-attention (the native layers' Transformer Engine attention, actor.attention_impl=te; needs
+# --with-te), or a test file.
 # --ablation "ARGS": benchmarks/exact_ablation.py all ARGS (e.g. "--models tiny,8b6 --runs exact:fp8"),
 # results in /tmp/exact_ablation, its table last.
 # --actor "ARGS": the actor-step benchmark (ARGS are bench_actor_step.py's), torchrun on one
@@ -104,6 +105,7 @@ for t in $tests; do
     exact-8b) f=tests/gpu/test_exact.py; k="8b_widths" ;;
     exact-two) f=tests/gpu/test_exact.py; k="equal_tp_2" ;;
     exact-kv) f=tests/gpu/test_exact.py; k="fp8_kv_cache" ;;
+    te-attention) f=tests/gpu/test_te_backend.py; k="packed_attention" ;;
     *) f=$t; k="" ;;
   esac
   t0=$(date +%s) name=$(basename "$t" .py); [ "$t" = "${t#engine-}" ] || name=$t
