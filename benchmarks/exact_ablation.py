@@ -274,6 +274,8 @@ def child(args) -> dict:
     prompts = [torch.randint(0, vocab, (shape["prompt_len"],), generator=g).tolist() for _ in range(shape["prompts"])]
     repeats = []
     for seed in range(1, args.seeds + 1):  # the same prompts sampled again with another seed: a repeat
+        if seed > 1:
+            sync.sync(actor.weight_shards(), engine)  # the sleep after the last sampling dropped the weights
         engine.wake()
         drawn = engine.generate(prompts, SamplingParams(n=shape["n"], temperature=1.0,
                                                         max_new_tokens=shape["new_tokens"], seed=seed))
@@ -384,9 +386,17 @@ def table(work: Path, headline: str | None = None, command: str = "") -> str:
         from benchmarks.headline import update
 
         update(headline, headline_figures(runs), device=next(iter(runs.values()))["device"],
-               command=command or "python -m benchmarks.exact_ablation all --models "
-                                  f"{','.join(sorted({r['model'] for r in runs.values()}))} (then table --headline)")
+               command=command or default_command(runs))
     return text
+
+
+def default_command(runs: dict[str, dict]) -> str:
+    """The ``all`` command that makes these results (their models, runs and seeds), then the table."""
+    models = ",".join(sorted({r["model"] for r in runs.values()}))
+    pairs = ",".join(sorted({f"{r['engine']}:{r['mode']}" for r in runs.values()}))
+    seeds = min(len(repeats_of(r)) for r in runs.values())
+    return (f"python -m benchmarks.exact_ablation all --models {models} --runs {pairs} --seeds {seeds} "
+            "(then table --headline)")
 
 
 def repeats_of(run: dict) -> list[dict]:

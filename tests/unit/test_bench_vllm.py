@@ -489,7 +489,7 @@ def test_exact_ablation_headline_is_the_median_over_sampling_seeds(tmp_path):
     """exact_ablation's headline figures: the default engine's k3 KL at 8b6 per mode, and the largest
     |Δlogp| over the exact runs taken per seed; both the median and range over the seeds. An older
     result without repeats counts as one measurement."""
-    from benchmarks.exact_ablation import headline_figures, table
+    from benchmarks.exact_ablation import default_command, headline_figures, table
 
     def run(model, engine, mode, k3s, dlogps):
         reps = [{"rollout_corr/k3_kl": k, "rollout_corr/max_abs_dlogp": d, "unequal_share": 0.0,
@@ -514,3 +514,5 @@ def test_exact_ablation_headline_is_the_median_over_sampling_seeds(tmp_path):
     assert "| 8b6 | default | fp8 | 0.02 (0.01-0.03, 3 seeds) |" in text
     data = json.loads((tmp_path / "headline.json").read_text())
     assert data["vllm_k3_fp8_8b6"]["repeats"] == 3 and data["vllm_k3_fp8_8b6"]["spread"] == [0.01, 0.03]
+    assert default_command(runs) == ("python -m benchmarks.exact_ablation all --models 8b6,tiny --runs "
+                                     "default:bf16,default:fp8,exact:bf16,exact:fp8 --seeds 1 (then table --headline)")
