@@ -380,7 +380,17 @@ STEP_MODES = {  # name -> jetrl train overrides
     "fp8kv-exact": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8", "precision.exact=true"],
     "fp8kv-tri": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8",  # vLLM's Triton attention (table only)
                   "rollout.vllm.attention_backend=triton_attn"],
+    # the trainer attending with Transformer Engine's cuDNN kernels (table only; vllm.sh --with-te)
+    "bf16-ta": ["precision.mode=bf16", "actor.attention_impl=te"],
+    "fp8-ta": ["precision.mode=fp8", "actor.attention_impl=te"],
+    "fp8kv-ta": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8", "actor.attention_impl=te"],
 }
+
+
+def step_baseline(mode: str, modes) -> str:
+    """The BF16 run a step mode is compared with: ``bf16-ta`` for the modes whose trainer attends with
+    Transformer Engine (``-ta``) when it ran, so both sides have the same attention; ``bf16`` otherwise."""
+    return "bf16-ta" if mode.endswith("-ta") and mode != "bf16-ta" and "bf16-ta" in modes else "bf16"
 
 
 def step_runs(args) -> dict:
@@ -535,9 +545,12 @@ def table(args) -> str:
         if not equal_work:
             lines.append("(the modes did not generate the same tokens per step: no ratio is a headline figure; "
                          "rerun with responses of fixed length, rollout.sampling.ignore_eos=true)")
-        for mode in (m for m in step if m != "bf16" and "bf16" in step):
-            ratios = {p: Figure.ratio(timed["bf16"][p], timed[mode][p]) for p in phases}
-            lines.append(f"{'bf16/' + mode:>10} " + " ".join(f"{ratios[p].value:>8.2f}x" for p in phases)
+        for mode in step:
+            base = step_baseline(mode, step)
+            if mode == base or base not in step:
+                continue
+            ratios = {p: Figure.ratio(timed[base][p], timed[mode][p]) for p in phases}
+            lines.append(f"{base + '/' + mode:>10} " + " ".join(f"{ratios[p].value:>8.2f}x" for p in phases)
                          + f" {ratios['step'].spread[0]:>6.2f}x-{ratios['step'].spread[1]:.2f}x")
             if equal_work and mode in ("fp8", "fp8kv"):  # the product's two FP8 rollouts (weights; + KV cache)
                 headline[f"rl_step_vllm_{mode}_over_bf16"] = (ratios["step"], step[mode])

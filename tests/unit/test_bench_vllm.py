@@ -215,6 +215,28 @@ def test_step_ratios_are_no_headline_unless_every_mode_did_the_same_work(tmp_pat
     assert "did not generate the same tokens" in text and not headline.exists()
 
 
+def test_step_modes_with_te_attention_are_compared_with_bf16_with_te_attention(tmp_path):
+    """The -ta step modes (the trainer attending with TE's cuDNN kernels) get their ratio against
+    bf16-ta where it ran, so both sides attend alike; bf16-ta itself against bf16. Table only: the
+    headline keys stay fp8's and fp8kv's against bf16."""
+    def run(step_s):
+        phases = {"generate": [2.0] * 3, "logprobs": [1.0] * 3, "update": [1.0] * 3, "sync": [0.1] * 3,
+                  "step": [step_s] * 3}
+        return {"seconds_per_step": phases, "tokens_per_timed_step": [4096.0] * 3}
+
+    assert bench_vllm.step_baseline("fp8-ta", {"bf16", "bf16-ta"}) == "bf16-ta"
+    assert bench_vllm.step_baseline("fp8-ta", {"bf16"}) == "bf16"
+    assert bench_vllm.step_baseline("bf16-ta", {"bf16", "bf16-ta"}) == "bf16"
+    runs = {"bf16": run(4.0), "fp8": run(3.5), "bf16-ta": run(3.8), "fp8-ta": run(3.2)}
+    (tmp_path / "step.json").write_text(json.dumps(runs))
+    headline = tmp_path / "headline.json"
+    text = _table(tmp_path, headline)
+    rows = {w[0]: w for w in (line.split() for line in text.splitlines()) if w and "/" in w[0]}
+    assert rows["bf16/fp8"][5] == "1.14x" and rows["bf16-ta/fp8-ta"][5] == "1.19x"
+    assert rows["bf16/bf16-ta"][5] == "1.05x" and "bf16/fp8-ta" not in rows
+    assert set(json.loads(headline.read_text())) == {"rl_step_vllm_fp8_over_bf16", "rl_generate_fp8_over_bf16"}
+
+
 def test_table_marks_a_mode_cut_off_before_its_cases_finished(tmp_path):
     (tmp_path / "decode_bf16.json").write_text(json.dumps(_decode("bf16", {"256x512": 1000.0, "256x4096": 500.0})))
     (tmp_path / "decode_fp8.json").write_text(json.dumps({**_decode("fp8", {"256x512": 1100.0}), "complete": False}))
