@@ -387,10 +387,15 @@ STEP_MODES = {  # name -> jetrl train overrides
 }
 
 
+STEP_BASELINES = {"fp8-ta": "bf16-ta", "fp8kv-ta": "bf16-ta"}
+"""Step modes compared with another BF16 run than ``bf16``: the trainer attending with Transformer
+Engine on both sides."""
+
+
 def step_baseline(mode: str, modes) -> str:
-    """The BF16 run a step mode is compared with: ``bf16-ta`` for the modes whose trainer attends with
-    Transformer Engine (``-ta``) when it ran, so both sides have the same attention; ``bf16`` otherwise."""
-    return "bf16-ta" if mode.endswith("-ta") and mode != "bf16-ta" and "bf16-ta" in modes else "bf16"
+    """The BF16 run a step mode is compared with: its ``STEP_BASELINES`` entry when that mode ran, else ``bf16``."""
+    base = STEP_BASELINES.get(mode, "bf16")
+    return base if base in modes else "bf16"
 
 
 def step_runs(args) -> dict:
@@ -533,12 +538,12 @@ def table(args) -> str:
                      "median s over the timed steps ==")
         colocate = all(not math.isnan(v) for sec in timed.values() for v in sec.get("colocate", [math.nan]))
         phases = ("generate", "logprobs", "update", "sync", *(("colocate",) if colocate else ()), "step")
-        lines.append(f"{'mode':>10} " + " ".join(f"{p:>9}" for p in phases)
+        lines.append(f"{'mode':>17} " + " ".join(f"{p:>9}" for p in phases)
                      + f" {'step range':>15} {'steps':>5} {'tokens/step':>11} {'k3 KL':>9}")
         for mode, r in step.items():
             sec = timed[mode]
             tokens = r.get("tokens_per_timed_step") or [r.get("tokens_per_step", float("nan"))]
-            lines.append(f"{mode:>10} " + " ".join(f"{statistics.median(sec[p]):>9.3f}" for p in phases)
+            lines.append(f"{mode:>17} " + " ".join(f"{statistics.median(sec[p]):>9.3f}" for p in phases)
                          + f" {min(sec['step']):>7.2f}-{max(sec['step']):<7.2f} {len(sec['step']):>5}"
                          f" {statistics.median(tokens):>11.0f} {r.get('k3_kl', float('nan')):>9.2e}")
         equal_work = same_work(step.values())
@@ -550,7 +555,7 @@ def table(args) -> str:
             if mode == base or base not in step:
                 continue
             ratios = {p: Figure.ratio(timed[base][p], timed[mode][p]) for p in phases}
-            lines.append(f"{base + '/' + mode:>10} " + " ".join(f"{ratios[p].value:>8.2f}x" for p in phases)
+            lines.append(f"{base + '/' + mode:>17} " + " ".join(f"{ratios[p].value:>8.2f}x" for p in phases)
                          + f" {ratios['step'].spread[0]:>6.2f}x-{ratios['step'].spread[1]:.2f}x")
             if equal_work and mode in ("fp8", "fp8kv"):  # the product's two FP8 rollouts (weights; + KV cache)
                 headline[f"rl_step_vllm_{mode}_over_bf16"] = (ratios["step"], step[mode])
@@ -558,7 +563,7 @@ def table(args) -> str:
                     headline["rl_generate_fp8_over_bf16"] = (ratios["generate"], step[mode])
         if "fp8" in step and "fp8-exact" in step:
             exact = Figure.ratio(timed["fp8"]["step"], timed["fp8-exact"]["step"])
-            lines.append(f"{'fp8/exact':>10} {exact.value:>8.2f}x step ({exact.spread[0]:.2f}x-{exact.spread[1]:.2f}x; "
+            lines.append(f"{'fp8/exact':>17} {exact.value:>8.2f}x step ({exact.spread[0]:.2f}x-{exact.spread[1]:.2f}x; "
                          "the exact step skips the recompute of old logprobs)")
             if equal_work:
                 headline["rl_step_exact_over_default"] = (exact, step["fp8-exact"])

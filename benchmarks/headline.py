@@ -108,9 +108,20 @@ class Figure:
         return cls(value, min(len(num), len(den)), (min(num) / max(den), max(num) / min(den)))
 
 
-def command_line(module: str, argv: Sequence[str] | None = None) -> str:
-    """The full command that ran this benchmark: ``python -m MODULE`` and its arguments."""
-    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
+RECORDED_ENV = ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES",)
+"""Environment variables that change what a benchmark measures (Transformer Engine's scale format,
+read at its import): a command records the ones set."""
+
+
+def command_line(module: str, argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.environ) -> str:
+    """The full command that ran this benchmark: ``python -m MODULE`` and its arguments, or
+    ``torchrun --nproc-per-node N -m MODULE ...`` under torchrun, after the ``RECORDED_ENV`` set."""
+    env = [f"{name}={environ[name]}" for name in RECORDED_ENV if name in environ]
+    if "TORCHELASTIC_RUN_ID" in environ:  # set by torchrun for its workers
+        launcher = ["torchrun", "--nproc-per-node", environ.get("LOCAL_WORLD_SIZE", "1")]
+    else:
+        launcher = ["python"]
+    return shlex.join([*env, *launcher, "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def _round(x: float) -> float:

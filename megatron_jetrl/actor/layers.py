@@ -108,7 +108,7 @@ def te_packed_causal_attention(config, layer_number: int, scale: float):
         cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
         out = attention(q_THD, k_THD, v_THD, qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu,
                         cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
-        return out.view(q_THD.shape[0], q_THD.shape[1], -1)
+        return out.reshape(q_THD.shape[0], q_THD.shape[1], -1)
 
     return attend
 

@@ -97,12 +97,9 @@ def check_te_backend(settings: ActorSettings, num_layers: int) -> dict:
 
 def check_te_attention(settings: ActorSettings) -> bool:
     """Whether the native layers attend with Transformer Engine (``actor.attention_impl=te``), after
-    checking TE is importable and the mode is not exact (whose attention is vLLM's FlashAttention)."""
+    checking TE is importable (``ActorSettings`` refuses it beside the te backend and the exact mode)."""
     if settings.attention_impl != "te":
         return False
-    if settings.precision.exact:
-        raise ConfigError("actor.attention_impl", "te", "precision.exact attends with vLLM's FlashAttention "
-                          "forward, differentiated with torch's: set actor.attention_impl=torch")
     if importlib.util.find_spec("transformer_engine") is None:
         raise ConfigError("actor.attention_impl", "te",
                           "Transformer Engine is not installed; install it or set actor.attention_impl=torch")

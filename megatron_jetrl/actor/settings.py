@@ -120,6 +120,9 @@ class ActorSettings:
             raise ConfigError("actor.parallel", self.parallel, "must be a ParallelLayout")
         if not isinstance(self.precision, PrecisionRecipe):
             raise ConfigError("actor.precision", self.precision, "must be a PrecisionRecipe")
+        if self.attention_impl != "torch" and self.precision.exact:
+            raise ConfigError("actor.attention_impl", self.attention_impl, "precision.exact attends with vLLM's "
+                              "FlashAttention forward, differentiated with torch's: set actor.attention_impl=torch")
         check_integer("actor.max_tokens_per_microbatch", self.max_tokens_per_microbatch, minimum=1)
         if self.max_seq_len is not None:
             check_integer("actor.max_seq_len", self.max_seq_len, minimum=1)

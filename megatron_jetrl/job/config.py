@@ -295,9 +295,6 @@ def _check_exact(job: JobConfig) -> None:
          + " or ".join(name for name, kind in ENGINES.items() if kind.exact)),
         ("actor.fp8_backend", job.actor.fp8_backend, job.actor.fp8_backend == "native",
          "Transformer Engine's layers compute with TE's kernels, not the engine's: set actor.fp8_backend=native"),
-        ("actor.attention_impl", job.actor.attention_impl, job.actor.attention_impl == "torch",
-         "the exact attention is vLLM's FlashAttention forward, differentiated with torch's: set "
-         "actor.attention_impl=torch"),
         ("actor.parallel.tp", par.tp, par.tp <= EXACT_MAX_TP,
          f"the exact rollout runs at TP 1 or 2 (the TP all-reduce of two partial sums is one addition, the same "
          f"on both sides; more ranks add in orders each side picks for itself): set actor.parallel.tp="

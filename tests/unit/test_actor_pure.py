@@ -162,9 +162,8 @@ def test_te_attention_is_refused_without_te_and_in_the_exact_mode(monkeypatch):
     from megatron_jetrl.precision import PrecisionRecipe
 
     assert check_te_attention(ActorSettings()) is False  # torch's: nothing to check
-    exact = ActorSettings(precision=PrecisionRecipe(mode="fp8", exact=True), attention_impl="te")
     with pytest.raises(ConfigError, match="actor.attention_impl.*precision.exact"):
-        check_te_attention(exact)
+        ActorSettings(precision=PrecisionRecipe(mode="fp8", exact=True), attention_impl="te")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "transformer_engine" else find_spec(name, *a))

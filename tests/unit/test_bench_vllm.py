@@ -88,7 +88,10 @@ def test_figures_are_medians_with_their_spread():
     with pytest.raises(ValueError):
         Figure.of([])
     want = "python -m benchmarks.x step --step-args '--a 1'"
-    assert command_line("benchmarks.x", ["step", "--step-args", "--a 1"]) == want
+    assert command_line("benchmarks.x", ["step", "--step-args", "--a 1"], environ={}) == want
+    under_torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
+    assert command_line("benchmarks.x", ["--modes", "fp8-te"], environ=under_torchrun) == (
+        "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 torchrun --nproc-per-node 2 -m benchmarks.x --modes fp8-te")
 
 
 def test_every_headline_key_is_described_and_the_table_renders():
@@ -508,10 +511,11 @@ def test_step_json_holds_the_modes_that_finished_and_nothing_older(tmp_path, mon
 
 
 def test_exact_ablation_headline_is_the_median_over_sampling_seeds(tmp_path):
-    """exact_ablation's headline figures: the default engine's k3 KL at 8b6 per mode, and the largest
-    |Δlogp| over the exact runs taken per seed; both the median and range over the seeds. An older
-    result without repeats counts as one measurement."""
+    """exact_ablation's headline figures: the default engine's k3 KL at 8b6 per mode (median and range
+    over the seeds), and the largest |Δlogp| over the exact runs and seeds (with the per-seed range).
+    An older result without repeats counts as one measurement; --seeds below 1 is refused."""
     from benchmarks.exact_ablation import default_command, headline_figures, table
+    from benchmarks.exact_ablation import main as exact_ablation_main
 
     def run(model, engine, mode, k3s, dlogps):
         reps = [{"rollout_corr/k3_kl": k, "rollout_corr/max_abs_dlogp": d, "unequal_share": 0.0,
@@ -528,13 +532,15 @@ def test_exact_ablation_headline_is_the_median_over_sampling_seeds(tmp_path):
     k3 = figs["vllm_k3_fp8_8b6"]
     assert (k3.value, k3.repeats, k3.spread) == (0.02, 3, (0.01, 0.03))
     assert figs["vllm_k3_bf16_8b6"].repeats == 1
-    exact = figs["vllm_exact_max_abs_dlogp"]  # per seed: max(0, 0), max(0, 0.25), max(0, 0)
-    assert (exact.value, exact.repeats, exact.spread) == (0.0, 3, (0.0, 0.25))
+    exact = figs["vllm_exact_max_abs_dlogp"]  # per seed: max(0, 0), max(0, 0.25), max(0, 0): one seed is off
+    assert (exact.value, exact.repeats, exact.spread) == (0.25, 3, (0.0, 0.25))
     for name, r in runs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
     text = table(tmp_path, str(tmp_path / "headline.json"), command="python -m benchmarks.exact_ablation all")
     assert "| 8b6 | default | fp8 | 0.02 (0.01-0.03, 3 seeds) |" in text
     data = json.loads((tmp_path / "headline.json").read_text())
     assert data["vllm_k3_fp8_8b6"]["repeats"] == 3 and data["vllm_k3_fp8_8b6"]["spread"] == [0.01, 0.03]
+    with pytest.raises(SystemExit):
+        exact_ablation_main(["table", "--seeds", "0"])
     assert default_command(runs) == ("python -m benchmarks.exact_ablation all --models 8b6,tiny --runs "
                                      "default:bf16,default:fp8,exact:bf16,exact:fp8 --seeds 1 (then table --headline)")
