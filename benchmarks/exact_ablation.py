@@ -26,8 +26,8 @@ Each run samples the same prompts with ``--seeds`` seeds (default 3): the repeat
 figures (the ablation and the per-op comparison use seed 1's samples).
 
 Headline keys (written by ``all --headline``): ``vllm_k3_{fp8,mixed,bf16}_8b6`` (default engine),
-``vllm_exact_max_abs_dlogp`` (the largest |Δlogp| over the exact runs; goal 0), each the median and
-range over the seeds.
+``vllm_exact_max_abs_dlogp`` (the largest |Δlogp| over the exact runs and seeds; goal 0); the k3
+keys are medians over the seeds, each key with its range.
 """
 
 from __future__ import annotations
