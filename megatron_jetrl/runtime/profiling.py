@@ -36,6 +36,9 @@ STEP_KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, FlashAtte
     ("kv cache write", r"reshape_and_cache|cache_kernel"),  # vLLM's is "reshape_and_cache_flash": first
     ("attention", r"flash|fmha|attn|attention|paged"),  # FA3 kernels are CUTLASS kernels: before gemm
     ("gemm", r"gemm|cutlass|nvjet|xmma|sm90_|deep_gemm|scaled_mm|splitk|cublas|matmul"),
+    # Inductor names a fused kernel after the ops around it, the quantization it feeds included: its
+    # RMSNorm and SiLU-mul kernels in an FP8 engine are norm / activation work, as in BF16
+    ("norm / rope / activation", r"^triton_\w*(silu|rms_norm|rsqrt|rotary|rope)"),
     ("fp8 quantization", r"quant|fp8|e4m3|amax|cast_to"),
     ("sampling", r"sampl|topk|top_k|argmax|gumbel|exponential|multinomial"),
     ("norm / rope / activation", r"norm|rotary|rope|silu|act_and_mul|gelu|softmax"),

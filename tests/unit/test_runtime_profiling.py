@@ -15,6 +15,11 @@ def test_step_kernel_classes_cover_the_engine_and_the_trainer():
         "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "gemm",
         "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::Mai": "gemm",
         "void jetrl::quantize_1x128_kernel<__nv_bfloat16>(": "fp8 quantization",
+        "void jetrl::(anonymous namespace)::quantize_tile_kernel<__nv_bfloat16, true, false, false>": "fp8 quantization",
+        # Inductor's kernels named after the quantization they feed: the SiLU-mul and RMSNorm before it
+        "triton_poi_fused_mul_quantize_1x128_rows_silu_slice_1": "norm / rope / activation",
+        "triton_red_fused__to_copy_add_mean_mul_pow_quantize_1x128_rows_rsqrt_0": "norm / rope / activation",
+        "void vllm::rms_norm_per_block_quant_kernel<c10::BFloat16>(": "fp8 quantization",  # fused norm + quant
         "void vllm::per_token_group_quant_8bit_kernel<c10::BFloat16, c10::Float8_e4m3fn": "fp8 quantization",
         "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16, __nv_bfloat16, (vllm::": "kv cache write",
         "triton_red_fused_argmax_div_exponential_0": "sampling",
