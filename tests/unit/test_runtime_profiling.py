@@ -15,7 +15,7 @@ def test_step_kernel_classes_cover_the_engine_and_the_trainer():
         "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA_NNT": "gemm",
         "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::Mai": "gemm",
         "void jetrl::quantize_1x128_kernel<__nv_bfloat16>(": "fp8 quantization",
-        "void jetrl::(anonymous namespace)::quantize_tile_kernel<__nv_bfloat16, true, false, false>": "fp8 quantization",
+        "void jetrl::(anonymous namespace)::quantize_tile_kernel<__nv_bfloat16, true, false>": "fp8 quantization",
         # Inductor's kernels named after the quantization they feed: the SiLU-mul and RMSNorm before it
         "triton_poi_fused_mul_quantize_1x128_rows_silu_slice_1": "norm / rope / activation",
         "triton_red_fused__to_copy_add_mean_mul_pow_quantize_1x128_rows_rsqrt_0": "norm / rope / activation",
