@@ -9,11 +9,12 @@
 #   third carrying [".vllm_p3", ".whl"]:  bash benchmarks/gpu_host/rl_8b_full.sh start
 #   then, back to back until it says ALL DONE:   bash benchmarks/gpu_host/rl_8b_full.sh wait 560
 #   (the whole run takes longer than one call; it runs on in the background while the machine is held)
-#   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 4) override the layout; PREEMPT=0
-#   skips the checkpoint/resume part; ARGS adds overrides to every run (e.g. STEPS=5
-#   ARGS="run.profile_steps=[5]": one more step, profiled by kernel class into the run directory and
+#   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 5) override the layout; PREEMPT=0
+#   skips the checkpoint/resume part; ARGS adds overrides to every run (e.g. STEPS=6
+#   ARGS="run.profile_steps=[6]": one more step, profiled by kernel class into the run directory and
 #   left out of the timed steps). Responses have fixed lengths (ignore_eos), so both modes do the
-#   same work; the timed steps (2..STEPS) give the headline figures rl_step_8b_full_* in
+#   same work; the timed steps (3..STEPS: step 1 captures graphs and compiles, step 2's offload pins
+#   the optimizer state's host memory, once) give the headline figures rl_step_8b_full_* in
 #   $out/headline.json (merge them with python -m benchmarks.headline merge).
 # Logs, metrics and the runs' configs go back as $OUT/vllm_8b_multi.tgz. Without an argument it runs
 # in the foreground.
@@ -38,7 +39,7 @@ JETRL_VLLM_OUT=$out/setup bash benchmarks/gpu_host/vllm.sh || exit 1  # installs
 export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
-tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-4} preempt=${PREEMPT:-1}
+tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-5} preempt=${PREEMPT:-1}
 extra=(${ARGS:-})
 command="TP=$tp RTP=$rtp STEPS=$steps PREEMPT=$preempt ARGS='${ARGS:-}' bash benchmarks/gpu_host/rl_8b_full.sh"
 [ "$gpus" -ge 4 ] || { echo "vllm_8b_multi.sh is for 4 or 8 GPUs; this host has $gpus"; exit 1; }

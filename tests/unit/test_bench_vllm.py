@@ -415,7 +415,8 @@ def test_the_docs_table_is_the_headline_file():
 
 def test_scale_summary_plans_vllms_share_of_the_gpu_it_is_given(tmp_path):
     """The memory plan beside a scale run counts vLLM's share of the GPU's memory (as ``jetrl check``
-    does for that GPU), not nothing; a profiled step is not a timed one."""
+    does for that GPU), not nothing; a profiled step is not a timed one, nor, with the actor offloaded,
+    step 2 (its offload pins the optimizer state's host buffers, once)."""
     import yaml
 
     from benchmarks.scale_summary import summarise
@@ -423,17 +424,17 @@ def test_scale_summary_plans_vllms_share_of_the_gpu_it_is_given(tmp_path):
 
     job = load_job("benchmarks/configs/qwen3_8b_dims.yaml", ["rollout.engine=vllm", "rollout.offload_actor=true",
                                                              "rollout.vllm.gpu_memory_utilization=0.7",
-                                                             "run.profile_steps=[4]"])
+                                                             "run.steps=5", "run.profile_steps=[5]"])
     run = tmp_path / "fp8"
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
     rows = [{"step": s, "timing/step_s": 10.0 + s, "perf/tokens_per_step": 1000.0, "perf/tokens_per_s_per_gpu": 50.0,
-             "memory/device_used_gib": 60.0} for s in (1, 2, 3, 4)]
+             "memory/device_used_gib": 60.0} for s in (1, 2, 3, 4, 5)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     r = summarise(run, 1, 79.1 * 2**30)
     assert r["plan_gib"]["rollout"] == pytest.approx(0.7 * 79.1)
     assert r["plan_gib"]["peak"] >= r["plan_gib"]["rollout"] and r["measured_gib"]["device_used"] == 60.0
-    assert r["seconds_per_step"]["step"] == [12.0, 13.0]  # steps 2.., without the profiled one
+    assert r["seconds_per_step"]["step"] == [13.0, 14.0]  # steps 3..: not the offload's warm-up, not the profiled
 
 
 def test_the_gpu_host_script_measures_the_engines_default_fp8_gemm():
