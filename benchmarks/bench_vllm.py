@@ -17,10 +17,11 @@ recipe), all 36 layers, prefix caching off. A case BxT generates T tokens (no st
 random prompts of ``--prompt-len`` tokens in one ``generate`` call; throughput = B*T / wall time
 (prefill included; vLLM admits as many sequences as its KV cache holds, so at long responses batch
 capacity counts). ``--profile`` adds a kernel-time split of 32 decode steps at batch 256
-(prefill subtracted). ``--warm-start`` starts each mode's engine once more after its measured run,
-in a child that only builds and closes it: that start (``engine_start_warm_s``) finds vLLM's
-torch.compile artifacts and DeepGEMM's JIT kernels in their on-disk caches (VLLM_CACHE_ROOT), as an
-RL job's restart does; ``engine_start_s`` is the first start, cold on a fresh machine.
+(prefill subtracted). ``--warm-start`` starts each mode's engine again after its measured run
+(``--warm-start-repeats`` times, default 3), each in a child that only builds and closes it: those
+starts (``engine_start_warm_s``, their median) find vLLM's torch.compile artifacts and DeepGEMM's JIT
+kernels in their on-disk caches (VLLM_CACHE_ROOT), as an RL job's restart does; ``engine_start_s`` is
+the first start, cold on a fresh machine.
 
 sync: the trainer's shards of the whole 8B model at TP 1 (random BF16 + their FP8 FProp weights),
 synced into an FP8 engine: ``in_place`` (the copy kernels write into vLLM's parameters),
@@ -234,18 +235,24 @@ def start_child(args) -> dict:
 
 
 def warm_start(args, mode: str, name: str) -> None:
-    """Start ``mode``'s engine once more (``start_child``), after its measured run left vLLM's
-    compile and JIT caches on disk, and store the seconds in the mode's result (``decode_NAME.json``)
-    as ``engine_start_warm_s``; its ``engine_start_s`` stays the first start."""
-    start = run_child("decode", args, [mode, "--start-only"], name=f"{name}-start")
-    if start is None:
+    """Start ``mode``'s engine ``--warm-start-repeats`` more times (``start_child``, one process each),
+    after its measured run left vLLM's compile and JIT caches on disk, and store the seconds in the
+    mode's result (``decode_NAME.json``): ``engine_start_warm_s_all``, and their median as
+    ``engine_start_warm_s``; its ``engine_start_s`` stays the first start."""
+    starts = []
+    for _ in range(args.warm_start_repeats):
+        start = run_child("decode", args, [mode, "--start-only"], name=f"{name}-start")
+        if start is None:
+            break
+        (Path(args.work) / f"decode_{name}-start.json").unlink()  # the number lives in the mode's result
+        starts.append(start["engine_start_s"])
+    if not starts:
         print(f"decode {name}: the warm start wrote no result; engine_start_warm_s left out", flush=True)
         return
-    (Path(args.work) / f"decode_{name}-start.json").unlink()  # the number lives in the mode's result
     out = Path(args.work) / f"decode_{name}.json"
-    out.write_text(json.dumps({**json.loads(out.read_text()), "engine_start_warm_s": start["engine_start_s"]},
-                              indent=1))
-    print(f"decode {name}: warm engine start {start['engine_start_s']:.0f} s", flush=True)
+    out.write_text(json.dumps({**json.loads(out.read_text()), "engine_start_warm_s": statistics.median(starts),
+                               "engine_start_warm_s_all": starts}, indent=1))
+    print(f"decode {name}: warm engine start {statistics.median(starts):.0f} s (median of {len(starts)})", flush=True)
 
 
 def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps: int = 32) -> dict:
@@ -625,8 +632,9 @@ def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Fig
             decode["fp8-exact"])
     default = next((decode[m] for m in ("fp8-deep_gemm", "fp8") if m in decode), None)  # the engine's GEMM first
     if default is not None:  # warm (decode --warm-start, in the figure's command) when measured, else the first
-        out["vllm_engine_start_s"] = (Figure.of([default.get("engine_start_warm_s", default["engine_start_s"])]),
-                                      default)
+        starts = default.get("engine_start_warm_s_all") or [default.get("engine_start_warm_s",
+                                                                        default["engine_start_s"])]
+        out["vllm_engine_start_s"] = (Figure.of(starts), default)
     return out
 
 
@@ -678,8 +686,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="decode: timed generate calls per case (median)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--warm-start", action="store_true",
-                   help="decode: start each mode's engine once more after its run, from the caches it left "
-                        "(engine_start_warm_s)")
+                   help="decode: start each mode's engine again after its run, from the caches it left "
+                        "(engine_start_warm_s: the median of --warm-start-repeats starts)")
+    p.add_argument("--warm-start-repeats", type=int, default=3, help="decode --warm-start: starts per mode")
     p.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)  # _child decode: build and close only
     p.add_argument("--profile-batch", type=int, default=256, help="decode --profile: sequences in the profiled steps")
     p.add_argument("--headline-case", default="256x4096")

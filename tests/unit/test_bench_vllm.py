@@ -184,16 +184,18 @@ def test_a_warm_start_is_a_row_and_the_headline_engine_start(tmp_path):
 
 
 def test_warm_start_runs_a_start_only_child_after_each_mode(tmp_path, monkeypatch):
-    """decode --warm-start: after a mode's measured child, one more child of that mode with
-    --start-only; its start goes into the mode's result as engine_start_warm_s (engine_start_s kept)
-    and its own JSON is removed. A mode whose measured child wrote nothing gets no warm start."""
+    """decode --warm-start: after a mode's measured child, --warm-start-repeats more children of that
+    mode with --start-only; their starts go into the mode's result (engine_start_warm_s_all, their
+    median as engine_start_warm_s; engine_start_s kept) and their own JSON is removed. A mode whose
+    measured child wrote nothing gets no warm start; the headline figure has the repeats."""
     calls = []
+    warm = iter([31.0, 29.0, 30.5])
 
     def fake_run_child(kind, args, extra, *, name=None, gpus=1):
         calls.append((name, extra))
         if name == "bf16":
             return None
-        start = 30.0 if "--start-only" in extra else 90.0
+        start = next(warm) if "--start-only" in extra else 90.0
         result = {"mode": extra[0], "engine_start_s": start}
         (Path(args.work) / f"{kind}_{name}.json").write_text(json.dumps(result))
         return result
@@ -202,10 +204,13 @@ def test_warm_start_runs_a_start_only_child_after_each_mode(tmp_path, monkeypatc
     bench_vllm.main(["decode", "--modes", "bf16,fp8", "--fp8-gemm", "deep_gemm", "--warm-start",
                      "--work", str(tmp_path)])
     assert [(n, e[:2]) for n, e in calls] == [("bf16", ["bf16", "--cases"]), ("fp8-deep_gemm", ["fp8", "--cases"]),
-                                              ("fp8-deep_gemm-start", ["fp8", "--start-only"])]
-    assert json.loads((tmp_path / "decode_fp8-deep_gemm.json").read_text()) == {
-        "mode": "fp8", "engine_start_s": 90.0, "engine_start_warm_s": 30.0}
+                                              *[("fp8-deep_gemm-start", ["fp8", "--start-only"])] * 3]
+    result = json.loads((tmp_path / "decode_fp8-deep_gemm.json").read_text())
+    assert result == {"mode": "fp8", "engine_start_s": 90.0, "engine_start_warm_s": 30.5,
+                      "engine_start_warm_s_all": [31.0, 29.0, 30.5]}
     assert sorted(f.name for f in tmp_path.glob("*.json")) == ["decode_fp8-deep_gemm.json"]
+    start, _ = bench_vllm.decode_headline({"fp8-deep_gemm": result}, "256x4096")["vllm_engine_start_s"]
+    assert (start.value, start.repeats, start.spread) == (30.5, 3, (29.0, 31.0))
 
 
 def test_step_ratios_are_no_headline_unless_every_mode_did_the_same_work(tmp_path):
