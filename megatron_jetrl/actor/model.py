@@ -125,7 +125,7 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
     if settings.fp8_backend == "te":
         kwargs.update(check_te_backend(settings, bridge.dims.num_layers))
     config = TransformerConfig(**kwargs)
-    # the packed RoPE (actor/layers.py) reads these two
+    # actor/layers.py reads these: the packed RoPE the first two, the packed attention the third
     setattr(config, EXACT_ATTR, float(bridge.dims.rope_theta) if recipe.exact else None)
     setattr(config, COMPILED_ROPE_ATTR, fused)
     setattr(config, TE_ATTENTION_ATTR, check_te_attention(settings))
