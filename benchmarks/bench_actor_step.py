@@ -192,7 +192,7 @@ def kernel_split(step) -> dict[str, dict[str, float]]:
     own kernels took longest: which ``aten::`` call launched the elementwise kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_jetrl.runtime.profiling import by_class, kernel_ms, operator_ms
+    from megatron_jetrl.runtime.profiling import by_class, kernel_ms, largest, operator_ms
 
     step()
     torch.cuda.synchronize()
@@ -200,8 +200,7 @@ def kernel_split(step) -> dict[str, dict[str, float]]:
         step()
         torch.cuda.synchronize()
     kernels = kernel_ms(prof)
-    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
-    ops = dict(sorted(operator_ms(prof).items(), key=lambda kv: -kv[1])[:25])
+    top, ops = largest(kernels, 25), largest(operator_ms(prof), 25)
     return {"classes": by_class(kernels, KERNEL_CLASSES), "top": top, "ops": ops}
 
 

@@ -32,7 +32,7 @@ engine's bytes over the GPU's copy bandwidth measured in the same process.
 step: ``jetrl train benchmarks/configs/qwen3_8b_dims.yaml`` (6 of Qwen3-8B's layers, its vocab, 16
 prompts x 8 samples x 512 tokens) with ``rollout.engine=vllm`` and ``rollout.sampling.ignore_eos=true``
 (every response ``max_new_tokens`` long), per mode of ``--step-modes``; step 1 warms up (and step 2
-with ``--step-offload``: ``step_warmup``), the next ``--step-steps`` are timed: the median seconds
+with ``--step-offload``: ``rl_summary.warm_up_steps``), the next ``--step-steps`` are timed: the median seconds
 per phase and the range. A ratio becomes a headline figure only when every mode generated the same
 tokens at every timed step.
 
@@ -262,7 +262,7 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_jetrl.runtime.profiling import by_class, kernel_launches, kernel_ms
+    from megatron_jetrl.runtime.profiling import by_class, kernel_launches, kernel_ms, largest
     from megatron_jetrl.rollout import SamplingParams
 
     g = torch.Generator().manual_seed(1)
@@ -283,7 +283,7 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
     (prefill, prefill_n, prefill_s), (whole, whole_n, whole_s) = profiled(1), profiled(1 + steps)
     kernels = {k: v - prefill.get(k, 0.0) for k, v in whole.items()}
     classes = by_class(kernels, KERNEL_CLASSES)
-    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+    top = largest(kernels)
     return {"batch": batch, "steps": steps, "classes_ms": classes, "top_kernels_ms": top,
             "prefill_ms": sum(prefill.values()), "kernels_per_step": (whole_n - prefill_n) / steps,
             "wall_ms_per_step": 1e3 * (whole_s - prefill_s) / steps}
@@ -408,12 +408,12 @@ def step_baseline(mode: str, modes) -> str:
 def step_runs(args) -> dict:
     """``jetrl train`` at Qwen3-8B layer shapes with vLLM rollout, per mode of ``--step-modes``;
     with ``--profile`` one more step, profiled (``run.profile_steps``) and left out of the means."""
-    from benchmarks.rl_summary import summarise
+    from benchmarks.rl_summary import summarise, warm_up_steps
 
     results = {}
     (Path(args.work) / "step.json").write_text("{}")  # no earlier run's results left behind if every mode fails
-    warmup = step_warmup(args)
-    steps = warmup + args.step_steps + (1 if args.profile else 0)
+    warm_up = warm_up_steps(args.step_offload)
+    steps = 1 + len(warm_up) + args.step_steps + (1 if args.profile else 0)
     for mode in args.step_modes.split(","):
         run_dir = Path(args.work) / f"step_{mode}"
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -436,7 +436,7 @@ def step_runs(args) -> dict:
         if rc != 0 or not metrics.is_file():
             print("\n".join((Path(args.work) / f"step_{mode}.log").read_text(errors="replace").splitlines()[-40:]))
             continue
-        results[mode] = summarise(metrics, untimed=(*range(2, warmup + 1), *((steps,) if args.profile else ())))
+        results[mode] = summarise(metrics, untimed=(*warm_up, *((steps,) if args.profile else ())))
         results[mode]["config"] = step_config(run_dir)
         results[mode]["command"] = command_line("benchmarks.bench_vllm")
         results[mode]["device"] = _gpu_name()
@@ -446,14 +446,6 @@ def step_runs(args) -> dict:
         # after every mode: a lane cut off by the machine's time keeps the modes that finished
         (Path(args.work) / "step.json").write_text(json.dumps(results, indent=1))
     return results
-
-
-def step_warmup(args) -> int:
-    """Steps a step run takes before the timed ones: the first (CUDA graphs, compiles, the caching
-    allocator) and, with the actor offloaded during rollout, the second: its offload is the first with
-    the optimizer's state (made by step 1's update), whose pinned host buffers are allocated then,
-    once (40 s for 16 layers at 8B widths on an H200; 2.5 s at every later step)."""
-    return 2 if args.step_offload else 1
 
 
 def step_config(run_dir: Path) -> dict:

@@ -6,7 +6,7 @@ memory per GPU measured, next to the memory plan ``jetrl check`` gives for the s
 
 Times are means over steps 2.. (step 1 includes CUDA-graph capture and allocator warm-up), and 3..
 when the actor is offloaded during rollout (step 2's offload is the first with the optimizer's
-state: it pins its host buffers, once; as ``bench_vllm step``), without the config's profiled steps
+state: it pins its host buffers, once; ``rl_summary.warm_up_steps``), without the config's profiled steps
 (``run.profile_steps``). Memory
 is the largest over ranks and steps: PyTorch's peak allocation in the generate phase and in the
 update phase, and the device's used memory (PyTorch's reservation plus CUDA context, NCCL,
@@ -38,8 +38,8 @@ def summarise(run_dir: Path, world_size: int, capacity: float) -> dict:
     """rl_summary's numbers of the run, with its layout and the memory plan of its config for GPUs
     of ``capacity`` bytes (vLLM's share is a fraction of it)."""
     job = load_job(run_dir / "config.yaml")
-    warm_up = (2,) if job.rollout.offload_actor else ()
-    run = rl_summary.summarise(run_dir / "metrics.jsonl", untimed=(*warm_up, *job.run.profile_steps))
+    untimed = (*rl_summary.warm_up_steps(job.rollout.offload_actor), *job.run.profile_steps)
+    run = rl_summary.summarise(run_dir / "metrics.jsonl", untimed=untimed)
     resolved = resolve(job, world_size)
     plan = resolved.memory
     par = job.actor.parallel

@@ -178,7 +178,7 @@ class HostSampler:
         """The sampled seconds, the ``top`` functions by their own and by inclusive seconds, and the
         garbage collector's seconds and collections."""
         return {"sampled_s": self.sampled_s, "gc_s": self.gc_s, "gc_collections": self.gc_collections,
-                "self_s": _largest(self.self_s, top), "inclusive_s": _largest(self.inclusive_s, top)}
+                "self_s": largest(self.self_s, top), "inclusive_s": largest(self.inclusive_s, top)}
 
 
 class StepProfiler:
@@ -227,10 +227,10 @@ class StepProfiler:
             classes = by_class(kernels, STEP_KERNEL_CLASSES)
             phases[name] = {"wall_s": r["wall_s"], "kernel_ms": sum(kernels.values()),
                             "classes_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
-                            "top_kernels_ms": _largest(kernels),
+                            "top_kernels_ms": largest(kernels),
                             "host": _merged_host(r["host"])}
             if r["ops_ms"]:
-                phases[name]["top_ops_ms"] = _largest(r["ops_ms"])
+                phases[name]["top_ops_ms"] = largest(r["ops_ms"])
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         path = Path(run_dir) / "profiles" / f"step_{step}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +239,7 @@ class StepProfiler:
         return path
 
 
-def _largest(values: dict[str, float], top: int = 12) -> dict[str, float]:
+def largest(values: dict[str, float], top: int = 12) -> dict[str, float]:
     """The ``top`` entries with the largest values, largest first."""
     return dict(sorted(values.items(), key=lambda kv: -kv[1])[:top])
 
