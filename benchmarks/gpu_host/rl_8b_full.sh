@@ -9,7 +9,9 @@
 #   third carrying [".vllm_p3", ".whl"]:  bash benchmarks/gpu_host/rl_8b_full.sh start
 #   then, back to back until it says ALL DONE:   bash benchmarks/gpu_host/rl_8b_full.sh wait 560
 #   (the whole run takes longer than one call; it runs on in the background while the machine is held)
-#   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 5) override the layout; PREEMPT=0
+#   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 5) override the layout; LIMIT: seconds
+#   each training run may take (default 540; a fresh host's first FP8 engine start JIT-compiles DeepGEMM's
+#   kernels, ~3.5 min at Qwen3-8B, so a first run there wants ~900); PREEMPT=0
 #   skips the checkpoint/resume part; ARGS adds overrides to every run (e.g. STEPS=6
 #   ARGS="run.profile_steps=[6]": one more step, profiled by kernel class into the run directory and
 #   left out of the timed steps). Responses have fixed lengths (ignore_eos), so both modes do the
@@ -39,9 +41,9 @@ JETRL_VLLM_OUT=$out/setup bash benchmarks/gpu_host/vllm.sh || exit 1  # installs
 export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
-tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-5} preempt=${PREEMPT:-1}
+tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-5} preempt=${PREEMPT:-1} limit=${LIMIT:-540}
 extra=(${ARGS:-})
-command="TP=$tp RTP=$rtp STEPS=$steps PREEMPT=$preempt ARGS='${ARGS:-}' bash benchmarks/gpu_host/rl_8b_full.sh"
+command="TP=$tp RTP=$rtp STEPS=$steps LIMIT=$limit PREEMPT=$preempt ARGS='${ARGS:-}' bash benchmarks/gpu_host/rl_8b_full.sh"
 [ "$gpus" -ge 4 ] || { echo "vllm_8b_multi.sh is for 4 or 8 GPUs; this host has $gpus"; exit 1; }
 cfg=benchmarks/configs/qwen3_8b_dims.yaml
 layout=(model.config.num_hidden_layers=36 rollout.engine=vllm actor.parallel.tp="$tp"
@@ -52,7 +54,7 @@ runs=/tmp/vllm_8b_runs
 rm -rf "$runs" && mkdir -p "$runs" "$out"
 rc_all=0
 
-python3 -m megatron_jetrl.cli check "$cfg" --world-size "$gpus" "${layout[@]}" >"$out/plan.log" 2>&1
+python3 -m megatron_jetrl.cli check "$cfg" --world-size "$gpus" "${layout[@]}" run.steps="$steps" >"$out/plan.log" 2>&1
 echo "plan ($gpus GPUs, TP=$tp, rollout TP=$rtp):"; grep -E "peak|trainer total|WARNING|config OK" "$out/plan.log"
 
 train() {  # name, time limit (s), overrides...
@@ -66,7 +68,7 @@ train() {  # name, time limit (s), overrides...
 }
 
 for mode in fp8 bf16; do
-  train "$mode" 540 precision.mode="$mode" run.steps="$steps" run.save_at_end=false \
+  train "$mode" "$limit" precision.mode="$mode" run.steps="$steps" run.save_at_end=false \
     || { rc_all=1; grep -E "Error|error:|Traceback" "$out/$mode.log" | grep -v -i warn | head -8; }
 done
 
