@@ -138,6 +138,10 @@ def run_mode(mode: str, args, bridge) -> dict:
     logprob_all = timed(lambda: actor.compute_logprobs(batch), args.steps)
     step_s, logprob_s = statistics.median(step_all), statistics.median(logprob_all)
     peak = torch.cuda.max_memory_allocated()
+    if dist.get_rank() == 0:
+        print(f"[bench] {mode}: step {step_s:.3f} s ({min(step_all):.3f}-{max(step_all):.3f}), logprobs "
+              f"{logprob_s:.3f} s ({min(logprob_all):.3f}-{max(logprob_all):.3f}), median of {args.steps}",
+              file=sys.stderr, flush=True)
     profile = kernel_split(lambda: actor.update(batch, ppo_clip_loss)) if args.profile else None
     lp_profile = kernel_split(lambda: actor.compute_logprobs(batch)) if args.profile else None
     syncs = host_syncs(lambda: actor.update(batch, ppo_clip_loss)) if args.find_syncs else None
@@ -154,6 +158,12 @@ def run_mode(mode: str, args, bridge) -> dict:
             "top_kernels_ms": profile and profile["top"], "top_ops_ms": profile and profile["ops"],
             "logprob_profile_ms": lp_profile and lp_profile["classes"],
             "logprob_top_kernels_ms": lp_profile and lp_profile["top"], "host_syncs": syncs}
+
+
+def write_json(args, device: str, rows: list[dict], complete: bool) -> None:
+    """``--json``: the arguments, the device and the rows of the modes run so far (``complete``: all of them)."""
+    plain = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    args.json.write_text(json.dumps({"args": plain, "device": device, "complete": complete, "rows": rows}, indent=1))
 
 
 def host_syncs(step) -> dict[str, int]:
@@ -268,9 +278,13 @@ def main() -> int:
     dist.init_process_group("nccl")
     config = qwen3_shaped(args.model, args.layers)
     bridge = bridge_for(config)
-    rows = [run_mode(m, args, bridge) for m in args.modes.split(",")]
+    name = torch.cuda.get_device_name()
+    rows = []
+    for m in args.modes.split(","):
+        rows.append(run_mode(m, args, bridge))
+        if args.json and dist.get_rank() == 0:  # after every mode: a run cut off keeps the modes it finished
+            write_json(args, name, rows, complete=len(rows) == len(args.modes.split(",")))
     if dist.get_rank() == 0:
-        name = torch.cuda.get_device_name()
         print(f"\nactor step, {args.model} shapes x {args.layers} layers (+ 151936 vocab; LM head "
               f"{100 * lm_head_flop_share(config):.1f}% of the linear FLOPs), TP={args.tp}, "
               f"{dist.get_world_size()} x {name}, {args.seqs} x {args.seq_len} tokens/step, "
@@ -306,10 +320,6 @@ def main() -> int:
             update(args.headline, figures, device=name, command=command_line("benchmarks.bench_actor_step"))
         elif args.headline:
             print(f"--headline: no two modes of a headline ratio ran; {args.headline} not written", file=sys.stderr)
-        if args.json:
-            plain = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-            args.json.write_text(json.dumps({"args": plain, "device": name,
-                                             "rows": rows}, indent=1))
     dist.destroy_process_group()
     return 0
 

@@ -25,7 +25,7 @@
 # The lanes share the host: each is pinned to its share of the CPU cores (taskset), since a
 # host-bound benchmark in one lane slows down while another compiles.
 set -uo pipefail
-lanes=/tmp/lanes
+lanes=${JETRL_LANES:-/tmp/lanes}  # the lanes' plan and logs (a test points it elsewhere)
 case "${1:-}" in
   start)
     mkdir -p $lanes
@@ -84,6 +84,9 @@ case "${1:-}" in
     echo "extra run $n on GPU $2: $3"
     ;;
   wait)
+    # no plan: this machine never started the lanes (the one that did went back 30 s after its last call)
+    [ -f $lanes/plan.sh ] || { echo "no lanes on this machine ($lanes/plan.sh is missing): the machine that ran" \
+      "'start' was given back; start again after the bundle's carrying calls"; exit 1; }
     end=$(( $(date +%s) + ${2:-560} ))
     running() {  # the planned lanes, or an extra run, not finished
       [ -f $lanes/done ] || return 0
@@ -96,7 +99,8 @@ case "${1:-}" in
     done
     ls /tmp/bench_vllm 2>/dev/null | tr '\n' ' '; echo
     running && echo "still running" || echo "ALL DONE"
-    [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm exact_ablation lanes 2>/dev/null
+    [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm exact_ablation \
+      -C "$(dirname $lanes)" "$(basename $lanes)" 2>/dev/null
     true
     ;;
   *) echo "usage: lanes.sh start | wait SECONDS | run GPUS ARGS"; exit 2 ;;

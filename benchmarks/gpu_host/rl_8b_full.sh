@@ -21,7 +21,7 @@
 # Logs, metrics and the runs' configs go back as $OUT/vllm_8b_multi.tgz. Without an argument it runs
 # in the foreground.
 set -uo pipefail
-out=/tmp/vllm_8b_out
+out=${JETRL_8B_OUT:-/tmp/vllm_8b_out}  # where the run keeps its logs (a test points it elsewhere)
 case "${1:-}" in
   start)
     mkdir -p "$out"
@@ -29,11 +29,14 @@ case "${1:-}" in
     echo "started in the background (log $out/main.log)"
     exit 0 ;;
   wait)
+    # no log: this machine never started the run (the one that did went back 30 s after its last call)
+    [ -f "$out/main.log" ] || { echo "no run on this machine ($out/main.log is missing): the machine that ran" \
+      "'start' was given back; start again after the bundle's carrying calls"; exit 1; }
     end=$(( $(date +%s) + ${2:-560} ))
     while ! grep -q "^vllm_8b_multi rc=" "$out/main.log" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
     tail -40 "$out/main.log"
     grep -q "^vllm_8b_multi rc=" "$out/main.log" && echo "ALL DONE" || echo "still running"
-    [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C /tmp vllm_8b_out
+    [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C "$(dirname "$out")" "$(basename "$out")"
     exit 0 ;;
 esac
 JETRL_VLLM_OUT=$out/setup bash benchmarks/gpu_host/vllm.sh || exit 1  # installs vLLM, builds the extension
@@ -105,6 +108,6 @@ echo "== Qwen3-8B, $gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader |
 python3 -m benchmarks.rl_summary "$out"/*.metrics.jsonl --json "$out/summary.json" 2>&1 | tail -12
 python3 -m benchmarks.scale_summary "$runs"/fp8 "$runs"/bf16 --world-size "$gpus" --json "$out/scale.json" \
   --headline "$out/headline.json" --headline-key rl_step_8b_full --command "$command" 2>&1 || rc_all=1
-[ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C /tmp vllm_8b_out
+[ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C "$(dirname "$out")" "$(basename "$out")"
 echo "vllm_8b_multi rc=$rc_all"
 exit $rc_all

@@ -4,6 +4,7 @@ children's JSON; the RL-step runs it starts are valid jobs. The numbers here are
 arithmetic; the real ones come from the GPU host (docs/benchmarks.md)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -469,6 +470,24 @@ def test_the_actor_benchmark_refuses_a_depth_over_the_gpu_and_names_one_that_fit
     check_memory(argparse.Namespace(**{**vars(args), "layers": 16}), 139.8)  # fits: returns
 
 
+def test_the_actor_benchmarks_json_holds_the_finished_modes_and_says_whether_all_ran(tmp_path):
+    """main writes --json after every mode: a run cut off mid-way keeps the modes it finished,
+    marked incomplete; the last write is marked complete."""
+    import argparse
+
+    from benchmarks.bench_actor_step import write_json
+
+    path = tmp_path / "actor.json"
+    args = argparse.Namespace(modes="bf16,fp8", json=path, layers=36)
+    write_json(args, "GPU X", [{"mode": "bf16", "step_s": 1.5}], complete=False)
+    first = json.loads(path.read_text())
+    assert first == {"args": {"modes": "bf16,fp8", "json": str(path), "layers": 36}, "device": "GPU X",
+                     "complete": False, "rows": [{"mode": "bf16", "step_s": 1.5}]}
+    write_json(args, "GPU X", [{"mode": "bf16", "step_s": 1.5}, {"mode": "fp8", "step_s": 1.3}], complete=True)
+    last = json.loads(path.read_text())
+    assert last["complete"] is True and [r["mode"] for r in last["rows"]] == ["bf16", "fp8"]
+
+
 def test_an_offloaded_step_run_warms_up_two_steps(tmp_path, monkeypatch):
     """With --step-offload, step 2's offload is the first with the optimizer's state (it pins host
     memory for it, once): steps 1 and 2 warm up, the timed ones follow, the profiled one is last."""
@@ -551,3 +570,21 @@ def test_exact_ablation_headline_is_the_median_over_sampling_seeds(tmp_path):
         exact_ablation_main(["table", "--seeds", "0"])
     assert default_command(runs) == ("python -m benchmarks.exact_ablation all --models 8b6,tiny --runs "
                                      "default:bf16,default:fp8,exact:bf16,exact:fp8 --seeds 1 (then table --headline)")
+
+
+@pytest.mark.parametrize("script, env_key, missing", [("rl_8b_full.sh", "JETRL_8B_OUT", "main.log"),
+                                                      ("lanes.sh", "JETRL_LANES", "plan.sh")])
+def test_waiting_on_a_machine_that_never_started_the_run_stops_at_once(tmp_path, script, env_key, missing):
+    """The GPU host goes back 30 s after a call ends; a later call gets a fresh machine. ``wait``
+    there has nothing to wait for: it says so in one line and fails, instead of sleeping out its
+    seconds of device time."""
+    import subprocess
+    import time
+
+    env = {**os.environ, env_key: str(tmp_path / "nothing"), "OUT": ""}
+    start = time.monotonic()
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_host" / script), "wait", "30"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=25)
+    assert time.monotonic() - start < 10
+    assert done.returncode == 1
+    assert done.stdout.startswith("no ") and f"{missing} is missing" in done.stdout and "start again" in done.stdout
