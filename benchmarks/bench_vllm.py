@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 from benchmarks.headline import Figure, command_line
-from benchmarks.rl_summary import same_work
+from benchmarks.rl_summary import profile_lines, same_work
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -568,21 +568,7 @@ def table(args) -> str:
                 headline["rl_step_exact_over_default"] = (exact, step["fp8-exact"])
         for mode, r in step.items():
             if "profile" in r:
-                prof = r["profile"]
-                lines.append(f"-- kernel time of step {prof['step']} ({mode}, profiled), ms by phase and class:")
-                for phase, ph in prof["phases"].items():
-                    top = ", ".join(f"{c} {ms:.0f}" for c, ms in list(ph["classes_ms"].items())[:5])
-                    lines.append(f"   {phase:<11} wall {ph['wall_s']:>7.3f} s, "
-                                 f"kernels {ph['kernel_ms']:>8.1f} ms: {top}")
-                    host = ph.get("host")
-                    if host and phase in HOST_PHASES:
-                        own = ", ".join(f"{f} {sec:.2f}" for f, sec in list(host["self_s"].items())[:HOST_TOP])
-                        lines.append(f"   {'':<11} host s by function (own time): {own}; "
-                                     f"GC {host['gc_s']:.2f} s in {host['gc_collections']} collections")
-                    ops = list(ph.get("top_ops_ms", {}).items())[:HOST_TOP]
-                    if ops:
-                        lines.append(f"   {'':<11} kernel ms by torch operator (own kernels): "
-                                     + ", ".join(f"{op} {ms:.0f}" for op, ms in ops))
+                lines.extend(profile_lines(mode, r["profile"]))
     if args.headline and headline:
         from benchmarks.headline import update
 
@@ -600,9 +586,6 @@ def table(args) -> str:
 
 HEADLINE_LAYERS = 36
 """The decoder layers of the decode headline keys (Qwen3-8B's)."""
-HOST_PHASES, HOST_TOP = ("generate", "logprobs", "update"), 6
-"""The profiled step's phases whose host split the table shows, and how many functions (and torch
-operators, where the phase recorded them) of each."""
 EXACT_CASE = "128x2048"
 """The decode case of ``vllm_exact_decode_over_default``."""
 LEGACY_COMMAND = "python -m benchmarks.bench_vllm (its arguments were not recorded with this result)"

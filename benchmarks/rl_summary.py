@@ -89,6 +89,31 @@ def same_work(runs) -> bool:
     return bool(tokens) and bool(tokens[0]) and all(t == tokens[0] for t in tokens)
 
 
+HOST_PHASES, HOST_TOP = ("generate", "logprobs", "update"), 6
+"""The profiled step's phases whose host split ``profile_lines`` shows, and how many functions (and
+torch operators, where the phase recorded them) of each."""
+
+
+def profile_lines(run: str, prof: dict) -> list[str]:
+    """A profiled step (``run.profile_steps``: ``<run dir>/profiles/step_<N>.json``, runtime/profiling.py)
+    as table lines: per phase its wall time and kernel time by class, the host's functions by own
+    time and the torch operators whose own kernels took longest."""
+    lines = [f"-- kernel time of step {prof['step']} ({run}, profiled), ms by phase and class:"]
+    for phase, ph in prof["phases"].items():
+        top = ", ".join(f"{c} {ms:.0f}" for c, ms in list(ph["classes_ms"].items())[:5])
+        lines.append(f"   {phase:<11} wall {ph['wall_s']:>7.3f} s, kernels {ph['kernel_ms']:>8.1f} ms: {top}")
+        host = ph.get("host")
+        if host and phase in HOST_PHASES:
+            own = ", ".join(f"{f} {sec:.2f}" for f, sec in list(host["self_s"].items())[:HOST_TOP])
+            lines.append(f"   {'':<11} host s by function (own time): {own}; "
+                         f"GC {host['gc_s']:.2f} s in {host['gc_collections']} collections")
+        ops = list(ph.get("top_ops_ms", {}).items())[:HOST_TOP]
+        if ops:
+            lines.append(f"   {'':<11} kernel ms by torch operator (own kernels): "
+                         + ", ".join(f"{op} {ms:.0f}" for op, ms in ops))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("metrics", nargs="+", type=Path)

@@ -7,7 +7,7 @@ memory per GPU measured, next to the memory plan ``jetrl check`` gives for the s
 Times are means over steps 2.. (step 1 includes CUDA-graph capture and allocator warm-up), and 3..
 when the actor is offloaded during rollout (step 2's offload is the first with the optimizer's
 state: it pins its host buffers, once; ``rl_summary.warm_up_steps``), without the config's profiled steps
-(``run.profile_steps``). Memory
+(``run.profile_steps``; the last of them is printed by phase and kernel class after the tables). Memory
 is the largest over ranks and steps: PyTorch's peak allocation in the generate phase and in the
 update phase, and the device's used memory (PyTorch's reservation plus CUDA context, NCCL,
 cuBLAS workspaces and graph pools).
@@ -44,6 +44,8 @@ def summarise(run_dir: Path, world_size: int, capacity: float) -> dict:
     plan = resolved.memory
     par = job.actor.parallel
     nan = float("nan")
+    profiles = [run_dir / "profiles" / f"step_{n}.json" for n in job.run.profile_steps]
+    profile = next((json.loads(p.read_text()) for p in reversed(profiles) if p.is_file()), None)
     return {
         **run,
         "run": run_dir.name,
@@ -53,6 +55,7 @@ def summarise(run_dir: Path, world_size: int, capacity: float) -> dict:
         "measured_gib": {k: run["memory_gib"].get(k, nan) for k in MEASURED},
         "plan_gib": {"trainer": plan.trainer_total / 2**30, "rollout": plan.rollout_total(capacity) / 2**30,
                      "peak": plan.peak(capacity) / 2**30},
+        "profile": profile,  # the last profiled step's (run.profile_steps), else None
     }
 
 
@@ -111,6 +114,10 @@ def main() -> None:
         print(f"{r['run']:<16} {m['generate_peak_allocated']:>10.1f} {m['update_peak_allocated']:>10.1f} "
               f"{m['peak_reserved']:>10.1f} {m['device_used']:>10.1f}   {p['trainer']:>10.1f} {p['rollout']:>10.1f} "
               f"{p['peak']:>10.1f}")
+    for r in results:
+        if r["profile"]:
+            print()
+            print("\n".join(rl_summary.profile_lines(r["run"], r["profile"])))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     if args.headline:

@@ -18,7 +18,7 @@
 #   same work; the timed steps (3..STEPS: step 1 captures graphs and compiles, step 2's offload pins
 #   the optimizer state's host memory, once) give the headline figures rl_step_8b_full_* in
 #   $out/headline.json (merge them with python -m benchmarks.headline merge).
-# Logs, metrics and the runs' configs go back as $OUT/vllm_8b_multi.tgz. Without an argument it runs
+# Logs, metrics, the runs' configs and step profiles go back as $OUT/vllm_8b_multi.tgz. Without an argument it runs
 # in the foreground.
 set -uo pipefail
 out=${JETRL_8B_OUT:-/tmp/vllm_8b_out}  # where the run keeps its logs (a test points it elsewhere)
@@ -102,6 +102,7 @@ fi
 for f in "$runs"/*/metrics.jsonl; do
   d=$(dirname "$f"); n=$(basename "$d")
   cp "$f" "$out/$n.metrics.jsonl"; cp "$d/config.yaml" "$out/$n.config.yaml" 2>/dev/null
+  for p in "$d"/profiles/step_*.json; do [ -f "$p" ] && cp "$p" "$out/$n.$(basename "$p")"; done  # run.profile_steps
 done
 echo
 echo "== Qwen3-8B, $gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), TP=$tp, rollout TP=$rtp"

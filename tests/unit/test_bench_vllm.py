@@ -441,6 +441,16 @@ def test_scale_summary_plans_vllms_share_of_the_gpu_it_is_given(tmp_path):
     assert r["plan_gib"]["rollout"] == pytest.approx(0.7 * 79.1)
     assert r["plan_gib"]["peak"] >= r["plan_gib"]["rollout"] and r["measured_gib"]["device_used"] == 60.0
     assert r["seconds_per_step"]["step"] == [13.0, 14.0]  # steps 3..: not the offload's warm-up, not the profiled
+    assert r["profile"] is None  # the profiled step wrote no profile here
+    profile = {"step": 5, "phases": {"generate": {"wall_s": 3.0, "kernel_ms": 900.0,
+                                                  "classes_ms": {"attention": 500.0, "gemm": 400.0}}}}
+    (run / "profiles").mkdir()
+    (run / "profiles" / "step_5.json").write_text(json.dumps(profile))
+    assert summarise(run, 1, 79.1 * 2**30)["profile"] == profile
+    from benchmarks.rl_summary import profile_lines
+    assert profile_lines("fp8", profile) == [
+        "-- kernel time of step 5 (fp8, profiled), ms by phase and class:",
+        "   generate    wall   3.000 s, kernels    900.0 ms: attention 500, gemm 400"]
 
 
 def test_the_gpu_host_script_measures_the_engines_default_fp8_gemm():
