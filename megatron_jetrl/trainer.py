@@ -115,11 +115,15 @@ class Trainer:
             while self.step < self.job.run.steps:
                 metrics = self.train_step()
                 self._write_profile()
-                if self.job.run.eval_every and self.step % self.job.run.eval_every == 0:
+                evaluated = bool(self.job.run.eval_every and self.step % self.job.run.eval_every == 0)
+                if evaluated:
                     metrics.update(self.evaluate())
-                self.metrics.log(self.step, metrics)
-                self.console.step_done(self.step, metrics, CONSOLE_KEYS)
                 stop = preemption.agreed(self._any_rank)
+                # log.every: and always the last step, an evaluated one, and the one a stop ends with
+                shown = (self.step % self.job.log.every == 0 or self.step == self.job.run.steps or evaluated or stop)
+                if shown:
+                    self.metrics.log(self.step, metrics)
+                self.console.step_done(self.step, metrics, CONSOLE_KEYS, show=shown)
                 final_save = self.step == self.job.run.steps and self.job.run.save_at_end
                 if stop or final_save or (self.job.run.save_every and self.step % self.job.run.save_every == 0):
                     self.save()

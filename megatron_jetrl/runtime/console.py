@@ -191,21 +191,23 @@ class ConsoleView:
             return None
         return (time.perf_counter() - self._t0) / done * (self.total_steps - step)
 
-    def step_done(self, step: int, metrics: Mapping[str, float], keys: Sequence[str]) -> None:
-        """Print the step line, advance the step bar and clear the phase rows."""
+    def step_done(self, step: int, metrics: Mapping[str, float], keys: Sequence[str], show: bool = True) -> None:
+        """Advance the step bar, clear the phase rows and, with ``show``, print the step line."""
         if not self.enabled:
             return
         eta = self._eta(step)
         line = format_step_line(step, self.total_steps, metrics, keys, eta)
         if self._progress is None:
-            print(line, flush=True)
+            if show:
+                print(line, flush=True)
             return
         for task in self._phases.values():
             self._progress.remove_task(task)
         self._phases.clear()
         self._acc.clear()
         self._progress.update(self._step_task, completed=step, eta=_clock(eta))
-        self._progress.console.print(line, markup=False, highlight=False)
+        if show:
+            self._progress.console.print(line, markup=False, highlight=False)
 
     def log(self, message: str) -> None:
         """Any other message, printed above the bars (as plain text: no rich markup)."""

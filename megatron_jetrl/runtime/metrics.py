@@ -59,7 +59,8 @@ class WandbSettings:
 @dataclass(frozen=True)
 class LogSettings:
     """The ``log`` section: console view on/off, TensorBoard on/off, W&B, and ``every``: the
-    trainer logs (console line and sinks) every ``every`` steps."""
+    trainer logs a step (console line, metrics.jsonl, TensorBoard, W&B) every ``every`` steps, and
+    always the last step, a step with an evaluation and the step a stop signal ends the run with."""
 
     console: bool = True
     tensorboard: bool = True

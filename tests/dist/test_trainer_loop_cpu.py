@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,16 @@ def test_loop_runs_logs_and_checkpoints(tmp_path, process_group):
     assert (tmp_path / "a" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert (tmp_path / "a" / "sft" / "checkpoints" / "latest").is_file()
     assert (tmp_path / "a" / "sft" / "metrics.jsonl").is_file()
+
+
+def test_log_every_logs_every_nth_step_and_always_the_last_and_evaluated_ones(tmp_path, process_group, capsys):
+    """``log.every``: the console line and metrics.jsonl get every n-th step, and always the last
+    step and a step with an evaluation (whose figures would otherwise be lost)."""
+    assert _run(tmp_path / "n", "run.steps=5", "run.eval_every=0", "log.every=3") == 0
+    assert sorted(_rows(tmp_path / "n")) == [3, 5]
+    assert re.findall(r"^step (\d)/5", capsys.readouterr().out, flags=re.M) == ["3", "5"]
+    assert _run(tmp_path / "e", "run.steps=5", "run.eval_every=2", "log.every=3") == 0
+    assert sorted(_rows(tmp_path / "e")) == [0, 2, 3, 4, 5]
 
 
 def test_a_profiled_step_writes_its_phases(tmp_path, process_group):
