@@ -114,8 +114,8 @@ class OverlongSettings:
     """What happens to responses that hit the length limit: ``none``; ``filter`` (excluded from the
     loss, see ``rollouts.training_batch``); ``soft`` (DAPO's linear penalty over the last
     ``buffer_tokens`` before ``max_new_tokens``, reaching ``-penalty``; see
-    ``filters.overlong_penalty``). ``buffer_tokens`` must not exceed the rollout's
-    ``max_new_tokens``; the trainer checks that, since it sees both sections."""
+    ``filters.overlong_penalty``). With ``soft``, ``buffer_tokens`` must not
+    exceed the rollout's ``max_new_tokens`` (checked when the job is loaded: ``job/config.py``)."""
 
     mode: Literal["none", "filter", "soft"] = "none"
     buffer_tokens: int = 256

@@ -274,6 +274,11 @@ def _check_together(job: JobConfig) -> None:
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
     if job.precision.exact:
         _check_exact(job)
+    overlong, max_new = job.data.overlong, job.rollout.sampling.max_new_tokens
+    if overlong.mode == "soft" and overlong.buffer_tokens > max_new:
+        raise ConfigError("data.overlong.buffer_tokens", overlong.buffer_tokens,
+                          f"must not exceed rollout.sampling.max_new_tokens ({max_new}): the soft penalty ramps "
+                          "over the last buffer_tokens of a response")
     limit = job.rollout.options.context_limit
     if limit is not None and limit < job.longest_sequence:
         raise ConfigError(f"rollout.{job.rollout.engine}.max_model_len", limit,

@@ -185,6 +185,18 @@ def test_vllm_engine_takes_an_inline_config_and_sizes_its_sequences():
     assert e.value.key == "rollout.vllm.max_model_len"
 
 
+def test_the_soft_overlong_buffer_must_fit_the_response_length():
+    """Checked when the job loads (``jetrl check`` / before ``jetrl train`` builds anything), not at
+    the first step's scoring; the buffer is unused by the other modes."""
+    job = tiny()
+    max_new = job.rollout.sampling.max_new_tokens
+    tiny("data.overlong.mode=soft", f"data.overlong.buffer_tokens={max_new}")
+    with pytest.raises(ConfigError, match=rf"must not exceed rollout.sampling.max_new_tokens \({max_new}\)") as e:
+        tiny("data.overlong.mode=soft", f"data.overlong.buffer_tokens={max_new + 1}")
+    assert e.value.key == "data.overlong.buffer_tokens"
+    tiny("data.overlong.mode=filter", f"data.overlong.buffer_tokens={max_new + 1}")
+
+
 def test_eval_prompts_size_the_rollout_not_the_training_activations():
     """Longer eval prompts raise the engine's context (longest_sequence) but not the activation
     estimate: a training micro-batch holds training sequences only."""
