@@ -11,6 +11,7 @@ groups a 1-GPU actor step uses.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -49,8 +50,16 @@ def _probe(eager: bool) -> list[float]:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--probe"]:
-        print(json.dumps(_probe(sys.argv[2] == "eager")))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--probe", choices=("eager", "lazy"), help="(internal) measure one mode in this process")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.nccl_memory: needs a CUDA GPU (it measures NCCL's device memory); none is "
+                         "visible here: run it on the GPU host")
+    if args.probe:
+        print(json.dumps(_probe(args.probe == "eager")))
         return 0
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29555")}
     rows = {}

@@ -47,7 +47,7 @@ case "${1:-}" in
       [ "$n" -lt "$gpus" ] || { echo "$v given, but this host has $gpus GPUs (lanes 0..$(( gpus - 1 )))"; exit 1; }
     done
     share=$(( $(nproc) / gpus ))
-    lane() {  # GPU, arguments with " ;; " between runs: one vllm_gpu.sh line per run
+    lane() {  # GPU, arguments with " ;; " between runs: one vllm.sh line per run
       local cpus=""
       command -v taskset >/dev/null && [ "$share" -ge 1 ] && cpus="taskset -c $(( $1 * share ))-$(( $1 * share + share - 1 ))"
       echo "${2// ;; /$'\n'}" | while IFS= read -r run; do

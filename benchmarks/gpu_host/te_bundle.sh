@@ -16,7 +16,7 @@
 # On a multi-GPU host next to the vLLM lanes (benchmarks/gpu_host/lanes.sh), the five parts ride along the
 # `wait` calls instead (carry [".te_pK"], command: mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp
 # && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK && bash benchmarks/gpu_host/lanes.sh wait 540), and one
-# lane's `vllm_gpu.sh --with-te ...` waits for them, installs TE and runs the TE tests and benchmark.
+# lane's `vllm.sh --with-te ...` waits for them, installs TE and runs the TE tests and benchmark.
 #
 # te_install.sh (on the host) checks every part, installs the wheels into /tmp/tesite and builds
 # transformer-engine-torch (plain C++, from its sdist) against the host's torch 2.11 + CUDA 13; then

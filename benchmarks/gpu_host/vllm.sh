@@ -57,7 +57,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-out=${JETRL_VLLM_OUT:-/tmp/vllm_gpu_out}  # one per lane when two run side by side (vllm_lanes.sh)
+out=${JETRL_VLLM_OUT:-/tmp/vllm_gpu_out}  # one per lane when two run side by side (lanes.sh)
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 # shellcheck source=benchmarks/gpu_host/setup.sh
 . benchmarks/gpu_host/setup.sh

@@ -72,8 +72,8 @@ class VllmOptions:
     gpu_memory_utilization: float = 0.5
     """Share of GPU memory for weights + KV cache while awake; the trainer gets it back in sleep."""
     max_model_len: Optional[int] = None
-    """Longest prompt + response; default: the job's ``data.train.max_prompt_tokens`` +
-    ``rollout.sampling.max_new_tokens``."""
+    """Longest prompt + response; default: the job's longest prompt (``data.train`` or ``data.eval``
+    ``max_prompt_tokens``) + ``rollout.sampling.max_new_tokens``."""
     max_num_seqs: int = 256
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """``fp8`` stores the KV cache in E4M3 with per-layer scales the trainer measures each step."""
