@@ -37,6 +37,7 @@ from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.engines import ENGINES, engine_kind
 from megatron_jetrl.rollout.settings import RolloutSettings
 from megatron_jetrl.runtime.metrics import LogSettings
+from megatron_jetrl.runtime.run_checkpoints import RunCheckpoints, resume_refused
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class RunSettings:
         ``jetrl train`` call this before any GPU work: a run dir that cannot be written would fail
         at the first save). Leaves nothing behind: a missing ``dir`` is not created, and the probe
         file that tests writing (permissions alone miss read-only mounts, ACLs and root squash) is
-        removed again."""
+        removed again. With ``resume`` false, a ``dir`` that has checkpoints is refused too (on
+        ``run.resume``), before ``jetrl train`` writes anything into it."""
         path = Path(self.dir).expanduser().absolute()
         existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
         if existing == path and not path.is_dir():
@@ -102,6 +104,10 @@ class RunSettings:
             raise ConfigError("run.dir", self.dir, f"{wrong} ({e.strerror}); {fix}") from None
         os.close(fd)
         os.unlink(probe)
+        if not self.resume and path.is_dir():  # a fresh start must not overwrite a run's checkpoints
+            latest = RunCheckpoints(path, self.keep_last, 0, 1, lambda: None).latest()
+            if latest is not None:
+                raise resume_refused(path, latest)
 
 
 def _config_json(value: str) -> Path:
@@ -116,9 +122,12 @@ def _read_config_json(key: str, value: str, missing: str) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(key, value, missing)
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(key, str(path), f"is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(key, str(path), f"must hold a JSON object (a model config), not a {type(data).__name__}")
+    return data
 
 
 @dataclass(frozen=True)
@@ -274,6 +283,19 @@ def _check_together(job: JobConfig) -> None:
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
     if job.precision.exact:
         _check_exact(job)
+    for key, data in (("data.train", job.data.train), ("data.eval", job.data.eval)):
+        if data is not None and data.synthetic is not None and data.synthetic.task != job.reward.type:
+            raise ConfigError("reward.type", job.reward.type,
+                              f"does not score {key}.synthetic.task {data.synthetic.task!r} (every reward would be 0): "
+                              f"set reward.type={data.synthetic.task}")
+    if job.run.eval_every and job.data.eval is None:
+        raise ConfigError("run.eval_every", job.run.eval_every,
+                          "evaluates data.eval, which is not set: set data.eval, or run.eval_every=0")
+    hf_slots = job.longest_sequence - 1  # KV slots of one prompt + response (the last token is not cached)
+    if job.rollout.engine == "hf" and job.rollout.hf.max_batch_tokens < hf_slots:
+        raise ConfigError("rollout.hf.max_batch_tokens", job.rollout.hf.max_batch_tokens,
+                          f"must hold one prompt + response ({hf_slots} KV-cache slots: data max_prompt_tokens + "
+                          "rollout.sampling.max_new_tokens - 1)")
     overlong, max_new = job.data.overlong, job.rollout.sampling.max_new_tokens
     if overlong.mode == "soft" and overlong.buffer_tokens > max_new:
         raise ConfigError("data.overlong.buffer_tokens", overlong.buffer_tokens,
@@ -340,7 +362,8 @@ def check_exact_model(bridge: ModelBridge) -> None:
 def missing_inputs(job: JobConfig) -> list[tuple[str, str, str]]:
     """What the job reads from disk that is not there yet, as (key, path, what to do): the model's
     config.json, the initial checkpoint, the tokenizer directory, the data files. ``jetrl check``
-    plans without them (warnings); ``jetrl train`` refuses to start without them."""
+    plans without them (warnings); ``jetrl train`` refuses to start without them. A checkpoint
+    path that exists but holds no megatron checkpoint is a ConfigError at once."""
     from megatron_jetrl.data.tokenizer import SYNTHETIC_PREFIX
 
     missing = []
@@ -351,6 +374,13 @@ def missing_inputs(job: JobConfig) -> list[tuple[str, str, str]]:
     if job.model.checkpoint is not None and not Path(job.model.checkpoint).exists():
         missing.append(("model.checkpoint", job.model.checkpoint,
                         "convert the model (tools/convert_hf_to_megatron.py, examples/slurm/convert.sbatch)"))
+    elif job.model.checkpoint is not None and not (Path(job.model.checkpoint) / ".metadata").is_file():
+        # there, but not a checkpoint: an error in check as well (nothing is still to come)
+        actor = Path(job.model.checkpoint) / "actor"
+        fix = (f"name {actor} (a run's checkpoint keeps the weights there)" if (actor / ".metadata").is_file() else
+               "name the directory tools/convert_hf_to_megatron.py wrote, or a run's checkpoints/step_N/actor")
+        raise ConfigError("model.checkpoint", job.model.checkpoint,
+                          f"is not a megatron checkpoint directory (no .metadata in it): {fix}")
     tokenizer = job.model.tokenizer_spec
     if not tokenizer.startswith(SYNTHETIC_PREFIX) and not Path(tokenizer).expanduser().exists():
         if job.model.tokenizer is not None:  # else it is the model's directory, named above

@@ -47,6 +47,12 @@ LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
+def resume_refused(run_dir: Path, latest: Path) -> ConfigError:
+    """The error of a fresh start (``run.resume`` false) in a run directory that has checkpoints."""
+    return ConfigError("run.resume", False, f"{run_dir} has checkpoints ({latest.name}); use a new run.dir, or "
+                       "run.resume=true to continue")
+
+
 class RunCheckpoints:
     """The commit protocol for ``run_dir/checkpoints`` (see the module docstring).
 
@@ -182,8 +188,7 @@ class RunCheckpoints:
         self.clean_stale()
         latest = self.latest()
         if latest is not None and not resume:
-            raise ConfigError("run.resume", False, f"{self.root.parent} has checkpoints ({latest.name}); "
-                              "use a new run.dir, or run.resume=true to continue")
+            raise resume_refused(self.root.parent, latest)
         return latest
 
     def restore_newest(self, restore: Callable[[Path], object], *, any_rank: Callable[[bool], bool],

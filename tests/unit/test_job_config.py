@@ -280,6 +280,64 @@ def test_profile_steps_must_be_steps_of_the_run():
         RunSettings(dir="r", steps=5, profile_steps=(0,))
 
 
+def test_settings_that_would_fail_or_do_nothing_later_are_refused_when_the_job_loads():
+    """Each of these passed ``jetrl check`` and failed (or silently did nothing) only once the job ran."""
+    cases = [
+        (("reward.type=arithmetic",), "reward.type", "does not score data.train.synthetic.task 'countdown'"),
+        (("data.eval=null",), "run.eval_every", "evaluates data.eval, which is not set"),
+        (("rollout.hf.max_batch_tokens=10",), "rollout.hf.max_batch_tokens", "must hold one prompt + response"),
+    ]
+    for overrides, key, reason in cases:
+        with pytest.raises(ConfigError, match=re.escape(reason)) as e:
+            tiny(*overrides)
+        assert e.value.key == key, overrides
+    tiny("data.eval=null", "run.eval_every=0")
+    job = tiny()
+    tiny(f"rollout.hf.max_batch_tokens={job.longest_sequence - 1}")
+
+
+def test_a_model_config_file_that_is_not_a_json_object_names_the_key(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for text, reason in (("[1, 2]", "must hold a JSON object"), (b"\xff\xfe", "is not valid JSON")):
+        (model / "config.json").write_bytes(text.encode() if isinstance(text, str) else text)
+        with pytest.raises(ConfigError, match=re.escape(reason)) as e:
+            tiny("model.hf_config=" + str(model)).model.hf_config_dict()
+        assert e.value.key == "model.hf_config"
+
+
+def test_a_checkpoint_path_that_is_not_a_checkpoint_is_refused_by_check(tmp_path, capsys):
+    """There but not a megatron checkpoint: an error in ``jetrl check`` too (nothing is still to come),
+    naming the run checkpoint's actor directory when that is what was given."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    step = tmp_path / "step_00000004"
+    (step / "actor").mkdir(parents=True)
+    (step / "actor" / ".metadata").write_bytes(b"")
+    for path, fix in ((empty, "name the directory tools/convert_hf_to_megatron.py wrote"),
+                      (step, f"name {step / 'actor'} (a run's checkpoint keeps the weights there)")):
+        assert cli_main(["check", str(TINY), f"run.dir={tmp_path / 'run'}", f"model.checkpoint={path}"]) == 2
+        err = capsys.readouterr().err
+        assert f"model.checkpoint: got '{path}'; is not a megatron checkpoint directory (no .metadata in it): {fix}" \
+            in err
+
+
+def test_a_fresh_start_in_a_run_dir_with_checkpoints_is_refused_before_anything_is_written(tmp_path):
+    from megatron_jetrl.runtime.run_checkpoints import LATEST
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000003"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    (run / "checkpoints" / LATEST).write_text("step_00000003")
+    before = _tree(run)
+    tiny(f"run.dir={run}").run.check_dir()  # resume (the default): fine
+    with pytest.raises(ConfigError, match=r"has checkpoints \(step_00000003\); use a new run\.dir, or "
+                                          r"run\.resume=true") as e:
+        tiny(f"run.dir={run}", "run.resume=false").run.check_dir()
+    assert e.value.key == "run.resume" and _tree(run) == before
+
+
 def _tree(root):
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
