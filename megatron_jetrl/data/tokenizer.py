@@ -35,6 +35,12 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                             "vocab.txt", "spiece.model", "sentencepiece.bpe.model"})
+"""Files one of which an HF tokenizer directory holds (a directory with none of them is refused by name
+rather than through transformers' advice to install sentencepiece or tiktoken)."""
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """``synthetic:<task>`` → that task's tokenizer; otherwise a local HF tokenizer directory
     (``model.tokenizer``). A HF tokenizer without a pad token pads with its EOS token."""
@@ -53,6 +59,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise ConfigError("model.tokenizer", spec,
                           "no such local path; download the model's tokenizer files first (e.g. `hf download "
                           "<repo> --local-dir <dir>`) and give that directory, or use synthetic:<task>")
+    files = sorted(p.name for p in path.iterdir()) if path.is_dir() else [path.name]
+    if path.is_dir() and not any(name in TOKENIZER_FILES for name in files):
+        raise ConfigError("model.tokenizer", spec, f"holds no tokenizer files (none of {sorted(TOKENIZER_FILES)}; it "
+                          f"holds {files[:6]}): download the model's tokenizer files there, or name the directory "
+                          "that has them")
     from transformers import AutoTokenizer
 
     try:
@@ -61,7 +72,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise ConfigError("model.tokenizer", spec, f"not a loadable HF tokenizer directory ({e})") from e
     probe = "What is 12 + 30? Answer: 42."
     if len(tok) < 2 or not tok.encode(probe, add_special_tokens=False):
-        files = sorted(p.name for p in path.iterdir()) if path.is_dir() else [path.name]
         raise ConfigError("model.tokenizer", spec,
                           f"is not a usable tokenizer: {len(tok)} token(s), {probe!r} encodes to "
                           f"{tok.encode(probe, add_special_tokens=False)} (the directory holds {files[:6]}); it needs "

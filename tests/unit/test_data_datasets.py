@@ -47,6 +47,9 @@ def test_load_tokenizer_hf_pads_with_eos(hf_tok):
 def test_load_tokenizer_errors(tmp_path):
     with pytest.raises(ConfigError, match="model.tokenizer.*no such local path.*download"):
         load_tokenizer(str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match=r"model.tokenizer.*holds no tokenizer files .*it holds \[\]\): download"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match="model.tokenizer.*not a loadable HF tokenizer"):
         load_tokenizer(str(tmp_path))
     with pytest.raises(ConfigError, match="model.tokenizer.*unknown synthetic task"):

@@ -185,8 +185,8 @@ def test_check_plans_before_the_download_and_train_refuses(tmp_path, capsys, mon
 
 
 def test_check_refuses_a_model_directory_without_tokenizer_files(paths, tmp_path, capsys):
-    """A folder holding only config.json: transformers then builds a 1-token tokenizer that encodes
-    every prompt to []; check refuses it, naming the directory."""
+    """A folder holding only config.json (transformers would build a 1-token tokenizer that encodes
+    every prompt to []): check refuses it, naming the directory and what it holds."""
     bare = tmp_path / "Qwen3-8b"
     bare.mkdir()
     shutil.copy(CONFIGS / "models" / "qwen3-8b.json", bare / "config.json")
@@ -195,7 +195,7 @@ def test_check_refuses_a_model_directory_without_tokenizer_files(paths, tmp_path
             "model.checkpoint=null"]  # the initial weights are not what this test is about
     assert main(["check", str(CONFIGS / name), "--nodes", str(nodes), *args]) == 2
     err = capsys.readouterr().err
-    assert "not a usable tokenizer" in err and str(bare) in err and "config.json" in err, err
+    assert "holds no tokenizer files" in err and str(bare) in err and "['config.json']" in err, err
 
 
 @pytest.mark.parametrize("rank, printed", [("0", True), ("3", False)])
