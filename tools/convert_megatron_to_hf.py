@@ -13,6 +13,7 @@ Embeddings, norms and the LM head stay BF16.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -35,14 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     given = [flag for flag, value in zip(FP8_ONLY, (args.pow2_scales, args.bf16_first_layers, args.bf16_last_layers),
                                          strict=True) if value]
+    negative = [f"{flag} {value}" for flag, value in (("--bf16-first-layers", args.bf16_first_layers),
+                                                       ("--bf16-last-layers", args.bf16_last_layers)) if value < 0]
     problem = None
     if given and not args.fp8_block:
         problem = f"{', '.join(given)} only apply to the FP8 export: add --fp8-block, or drop them"
+    elif negative:
+        problem = f"{', '.join(negative)}: a number of layers to keep in BF16 must be 0 or more"
     elif not Path(args.ckpt_dir).is_dir():
         problem = (f"--ckpt-dir {args.ckpt_dir} does not exist (a directory written by convert_hf_to_megatron or a "
                    "run's checkpoints/step_*/actor)")
-    elif args.max_shard_gb <= 0:
-        problem = f"--max-shard-gb must be positive; got {args.max_shard_gb}"
+    elif not (math.isfinite(args.max_shard_gb) and args.max_shard_gb * 2**30 >= 1):
+        problem = f"--max-shard-gb must be a finite number of GB above 0 (e.g. 5); got {args.max_shard_gb}"
     if problem:
         print(f"convert_megatron_to_hf: error: {problem}", file=sys.stderr)
         return 2

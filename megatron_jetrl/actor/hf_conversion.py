@@ -36,7 +36,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -53,6 +53,7 @@ from megatron_jetrl.models.hf_checkpoint import (
     HFCheckpoint,
     TOKENIZER_FILES,
     StreamingSafetensorsWriter,
+    read_json,
 )
 from megatron_jetrl.precision import PrecisionRecipe
 
@@ -62,6 +63,9 @@ VOCAB_CHUNK_BYTES = 64 * 2**20
 """Row-block size of the embedding / output layer when streamed (a decoder layer's order)."""
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Dtypes a model tensor may have in either checkpoint; the conversion keeps each tensor's dtype."""
+DCP_METADATA = ".metadata"
+"""torch.distributed.checkpoint's index of a checkpoint: every key's shape, dtype and byte range."""
+DAMAGED = "the checkpoint is damaged or incomplete: save it again, or convert another step's checkpoint"
 MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                   "common_backend": "torch", "common_backend_version": 1}
 _LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -306,6 +310,37 @@ def check_checkpoint_shapes(ckpt: Path, bridge: ModelBridge, meta) -> None:
                                   f"{bridge.architecture} with its config.json needs {want}")
 
 
+def _read_metadata(ckpt: Path) -> Metadata:
+    """``ckpt``'s DCP metadata, with every data file it points into present and long enough; a
+    missing or damaged file is a ``CheckpointError`` naming it, before anything is converted."""
+    path = ckpt / DCP_METADATA
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: {DAMAGED}")
+    try:
+        meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as e:  # an unpickler's failures have any type
+        raise CheckpointError(f"{path} cannot be read ({_one_line(e)}): {DAMAGED}") from None
+    if not isinstance(meta, Metadata):
+        raise CheckpointError(f"{path} holds a {type(meta).__name__}, not checkpoint metadata: {DAMAGED}")
+    needed: dict[str, int] = {}
+    for info in meta.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        data = ckpt / name
+        if not data.is_file():
+            raise CheckpointError(f"{data} is missing (listed in {path}): {DAMAGED}")
+        size = data.stat().st_size
+        if size < end:
+            raise CheckpointError(f"{data} is truncated ({size} bytes; {path} needs {end}): {DAMAGED}")
+    return meta
+
+
+def _one_line(error: Exception) -> str:
+    """``error`` for a one-line message: its type and the first line of its text."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def _read_slices(ckpt: Path, specs: list[TensorSpec], meta) -> dict[str, torch.Tensor]:
     """Full (TP=1) tensors of ``specs`` (one layer's, or the non-layer ones), reading only their
     slice of each checkpoint key (checked by ``check_checkpoint_shapes``)."""
@@ -320,8 +355,13 @@ def _read_slices(ckpt: Path, specs: list[TensorSpec], meta) -> dict[str, torch.T
             buf = torch.empty((1, *spec.shape), dtype=md.properties.dtype)
             requests[key] = ((spec.layer,) + (0,) * len(spec.shape), buf)
             out[spec.megatron] = buf[0]
-    _dcp(lambda: dcp.load({}, storage_reader=dcp.FileSystemReader(str(ckpt)), planner=_SliceLoadPlanner(requests),
-                          no_dist=True))
+    try:
+        _dcp(lambda: dcp.load({}, storage_reader=dcp.FileSystemReader(str(ckpt)),
+                              planner=_SliceLoadPlanner(requests), no_dist=True))
+    except Exception as e:  # torch.load of damaged bytes fails with any type
+        files = sorted({str(ckpt / info.relative_path) for index, info in meta.storage_data.items()
+                        if index.fqn in requests})
+        raise CheckpointError(f"reading {', '.join(files)} failed ({_one_line(e)}): {DAMAGED}") from None
     return out
 
 
@@ -339,14 +379,18 @@ def read_megatron_as_hf(
     config_path = ckpt / HF_DIR / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{ckpt} has no {HF_DIR}/config.json; was it written by convert_hf_to_megatron?")
-    hf_config = json.loads(config_path.read_text())
+    hf_config = read_json(config_path)
     bridge = bridge_for(hf_config)
     if fp8_recipe is not None:
+        first, last, n = fp8_recipe.fp8.bf16_first_layers, fp8_recipe.fp8.bf16_last_layers, bridge.dims.num_layers
+        if first + last > n:
+            raise ValueError(f"--bf16-first-layers {first} plus --bf16-last-layers {last} exceed the checkpoint's "
+                             f"{n} layers: keep at most {n} layers in BF16")
         check_fp8_exportable(bridge, fp8_recipe)
     groups: dict[int | None, list[TensorSpec]] = {}
     for spec in bridge.tensor_map():
         groups.setdefault(spec.layer, []).append(spec)
-    meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    meta = _read_metadata(ckpt)
     check_checkpoint_shapes(ckpt, bridge, meta)
     for spec in bridge.tensor_map():
         dtype = meta.state_dict_metadata[checkpoint_key(spec)].properties.dtype

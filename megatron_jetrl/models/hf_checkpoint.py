@@ -414,8 +414,10 @@ def _read_owner(directory: Path) -> str | None:
 
 
 def check_output_dir(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
-    """``out`` as a path a converter may replace: not the working directory or a parent of it, and
-    neither an input nor a directory holding one (replacing it would delete the input)."""
+    """``out`` as a path a converter may replace: not the working directory or a parent of it,
+    neither an input nor a directory holding one (replacing it would delete the input), not a file
+    or a symlink (the swap would move it aside and fail to delete it), and under a writable
+    directory (the nearest one that exists), so a bad --out-dir fails before any conversion work."""
     out_path = Path(out)
     resolved = out_path.resolve()
     if resolved == Path.cwd().resolve() or resolved in Path.cwd().resolve().parents:
@@ -425,6 +427,16 @@ def check_output_dir(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ..
         if resolved == src or resolved in src.parents:
             raise ValueError(f"--out-dir {out} is the input {source} or holds it; writing there would replace "
                              "the input: name another directory")
+    if out_path.is_symlink():
+        raise ValueError(f"--out-dir {out} is a symbolic link (to {resolved}); name the directory itself, or another")
+    if out_path.exists() and not out_path.is_dir():
+        raise ValueError(f"--out-dir {out} exists and is not a directory; name another path, or remove it first")
+    base = next(p for p in out_path.parents if os.path.lexists(p))
+    if not base.is_dir():
+        raise ValueError(f"--out-dir {out}: {base} is a file, not a directory; name a path under a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ValueError(f"--out-dir {out}: {base} is not writable (permissions, or a read-only file system); "
+                         "name a directory you can write to")
     return out_path
 
 
@@ -434,20 +446,22 @@ def atomic_output_dir(out: str | os.PathLike, *, force: bool,
     """A temporary directory ``.NAME.tmp-PID`` next to ``out`` that becomes ``out`` only if the block
     succeeds.
 
-    Refuses an ``out`` that is the working directory or an input (``check_output_dir``). Before
-    anything else, what killed writers left next to ``out`` is cleaned up and reported
-    (``recover_stale_outputs``), so a run that then refuses leaves no hidden partial directory
-    behind, and a swap cut in half is rolled back: ``out`` is the previous complete output again
-    (back, not forward: nothing then replaces an output without this run's ``force``, and the
-    user sees the state the killed run started from). Then an existing ``out`` is refused unless
-    ``force`` ("pass --force to replace it").
+    Refuses an ``out`` that is the working directory, an input, a file or a symlink, or not under a
+    writable directory (``check_output_dir``). Before anything else, what killed writers left next
+    to ``out`` is cleaned up and reported (``recover_stale_outputs``), so a run that then refuses
+    leaves no hidden partial directory behind, and a swap cut in half is rolled back: ``out`` is
+    the previous complete output again (back, not forward: nothing then replaces an output without
+    this run's ``force``, and the user sees the state the killed run started from). Then an
+    existing ``out`` is refused unless ``force`` ("pass --force to replace it").
 
     With ``force``, the old ``out`` is replaced only after the new one is complete: ``out`` is
     renamed to ``.NAME.old-PID``, the new directory to ``out``, and the old one to ``.NAME.tmp-PID``
     before it is deleted, so an ``.old-`` directory always holds a complete output and a ``.tmp-``
-    one never needs keeping. On any error the temporary directory is removed and ``out`` is
-    untouched; a full disk or quota (ENOSPC, EDQUOT, also when wrapped or hidden by the writer)
-    becomes a ``NoSpaceError`` naming the output, the bytes written and the space left.
+    one never needs keeping. On any error the temporary directory, and the parents of ``out`` this
+    run created, are removed and ``out`` is untouched; a directory that cannot be created is a
+    ``ValueError`` naming --out-dir; a full disk or quota (ENOSPC, EDQUOT, also when wrapped or
+    hidden by the writer) becomes a ``NoSpaceError`` naming the output, the bytes written and the
+    space left.
     """
     out = check_output_dir(out, inputs)
     for line in recover_stale_outputs(out):
@@ -455,10 +469,19 @@ def atomic_output_dir(out: str | os.PathLike, *, force: bool,
     if out.exists() and not force:
         raise FileExistsError(f"output {out} already exists; pass --force to replace it")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    created: list[Path] = []
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        for parent in [p for p in reversed(out.parents) if not os.path.lexists(p)]:
+            parent.mkdir()
+            created.append(parent)
         tmp.mkdir()
         (tmp / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        raise ValueError(f"--out-dir {out}: cannot create {e.filename or tmp} ({e.strerror}); name a directory "
+                         "you can write to") from None
+    try:
         yield tmp
         if out.exists() and not force:
             raise FileExistsError(f"output {out} appeared while converting (another conversion?); it was left "
@@ -468,8 +491,10 @@ def atomic_output_dir(out: str | os.PathLike, *, force: bool,
         written = _tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         code = _space_errno(e)
-        if code is not None:
-            raise _no_space(out, code, written) from e
+        error = _no_space(out, code, written) if code is not None else None
+        _remove_empty(created)
+        if error is not None:
+            raise error from e
         raise
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     replacing = out.exists()
@@ -481,7 +506,18 @@ def atomic_output_dir(out: str | os.PathLike, *, force: bool,
         if replacing:
             os.replace(old, out)
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
     if replacing:
         os.replace(old, tmp)
         shutil.rmtree(tmp)
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the parent directories ``atomic_output_dir`` created (outermost first in ``created``),
+    deepest first, while they are empty: a failed run leaves no new directories behind."""
+    for directory in reversed(created):
+        try:
+            directory.rmdir()
+        except OSError:
+            return

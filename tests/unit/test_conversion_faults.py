@@ -1,9 +1,11 @@
 """Faults a newcomer hits with the conversion tools: a full disk, a source of the wrong dtype (FP8,
-integers), a conversion killed under --force. Each ends in one line naming the thing and the fix,
-exit status 2, and nothing half-written or hidden left next to the output."""
+integers), a conversion killed under --force, an --out-dir that cannot be written, a damaged megatron
+checkpoint, export numbers out of range. Each ends in one line naming the thing and the fix, exit
+status 2, and nothing half-written, hidden or newly created left next to the output."""
 
 import errno
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -323,3 +325,143 @@ def test_an_output_that_appears_while_converting_is_not_replaced_without_force(s
     line = _error_line(capsys)
     assert "appeared while converting" in line and line.endswith("pass --force to replace it"), line
     assert _tree(out) == {"common.pt": b"theirs"} and _nothing_hidden(out) == []
+
+
+# ---- 4. an --out-dir that cannot be written
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_an_out_dir_that_is_a_file_or_a_symlink_is_refused_even_with_force(source, tmp_path, capsys, kind):
+    """Was swapped in, then its deletion failed (rmtree of a file or a symlink), leaving ``.f.tmp-PID``."""
+    out, target = tmp_path / "f", tmp_path / "target"
+    target.mkdir()
+    if kind == "file":
+        out.write_text("x\n")
+    else:
+        out.symlink_to(target)
+    assert to_megatron(["--hf-dir", str(source / "hf"), "--out-dir", str(out), "--force"]) == 2
+    line = _error_line(capsys)
+    assert f"--out-dir {out} " in line and ("not a directory" if kind == "file" else "symbolic link") in line, line
+    assert out.is_symlink() if kind == "symlink" else out.read_text() == "x\n"
+    assert _nothing_hidden(out) == [] and list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("below", ["f/x", "f/a/b/x"])
+def test_an_out_dir_below_a_file_is_named(source, tmp_path, capsys, below):
+    """Were "[Errno 17] File exists: 'f'" and a NotADirectoryError traceback."""
+    (tmp_path / "f").write_text("x\n")
+    out = tmp_path / below
+    assert to_megatron(["--hf-dir", str(source / "hf"), "--out-dir", str(out)]) == 2
+    line = _error_line(capsys)
+    assert f"--out-dir {out}: {tmp_path / 'f'} is a file, not a directory" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_an_unwritable_out_dir_is_refused_before_any_work(source, tmp_path, capsys, monkeypatch):
+    """As a read-only mount answers (tests run as root, whom permissions do not stop)."""
+    ro, access = tmp_path / "ro", os.access
+    ro.mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != ro and access(path, mode, **kw))
+    monkeypatch.setattr(checkpoint, "save_hf_as_megatron", lambda *a, **kw: pytest.fail("converted anyway"))
+    out = ro / "a" / "out"
+    assert to_megatron(["--hf-dir", str(source / "hf"), "--out-dir", str(out)]) == 2
+    line = _error_line(capsys)
+    assert f"--out-dir {out}: {ro} is not writable" in line and "name a directory you can write to" in line, line
+    assert list(ro.iterdir()) == []
+
+
+def test_an_out_dir_that_cannot_be_created_is_named_and_its_new_parents_removed(source, tmp_path, capsys,
+                                                                               monkeypatch):
+    """As /sys answers root (EPERM where os.access says yes): was a PermissionError traceback."""
+    mkdir = Path.mkdir
+
+    def refuse_below_a(path, *args, **kwargs):
+        if path.parent.name == "a":
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refuse_below_a)
+    out = tmp_path / "deep" / "a" / "b" / "out"
+    assert to_megatron(["--hf-dir", str(source / "hf"), "--out-dir", str(out)]) == 2
+    line = _error_line(capsys)
+    assert f"--out-dir {out}: cannot create {out.parent} (Operation not permitted)" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_conversion_removes_only_the_parents_it_created(source, tmp_path, capsys):
+    """Were left behind: deep/a/b/c after a failure writing deep/a/b/c/out."""
+    hf = _rewritten_copy(source, tmp_path, _to_int32("model.norm.weight"))
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "keep").write_text("mine\n")
+    out = deep / "a" / "b" / "c" / "out"
+    assert to_megatron(["--hf-dir", str(hf), "--out-dir", str(out)]) == 2
+    assert "is int32" in _error_line(capsys)
+    assert sorted(p.name for p in deep.iterdir()) == ["keep"]
+
+
+# ---- 5. a damaged megatron checkpoint
+
+
+def _zero_first_tensor_bytes(mg: Path) -> None:
+    """Overwrite the start of one stored tensor (its torch.save zip header) with zeros."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(mg)).read_metadata()
+    info = next(info for index, info in meta.storage_data.items() if index.fqn == "decoder.final_layernorm.weight")
+    with open(mg / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(bytes(64))
+
+
+@pytest.mark.parametrize("fault, damage, named, expected", [
+    ("no .metadata", lambda mg: (mg / ".metadata").unlink(), ".metadata", "is missing"),
+    ("truncated .metadata", lambda mg: _truncate(mg / ".metadata", 100), ".metadata", "cannot be read"),
+    ("no data file", lambda mg: (mg / "__0_0.distcp").unlink(), "__0_0.distcp", "is missing (listed in"),
+    ("empty data file", lambda mg: _truncate(mg / "__0_0.distcp", 0), "__0_0.distcp", "is truncated (0 bytes"),
+    ("truncated data file", lambda mg: _truncate(mg / "__0_0.distcp", 5000), "__0_0.distcp", "is truncated"),
+    ("damaged tensor", _zero_first_tensor_bytes, "__0_0.distcp", "reading "),
+    ("config.json a list", lambda mg: (mg / "hf" / "config.json").write_text("[1]"), "hf/config.json",
+     "expected a JSON object, found list"),
+    ("config.json not JSON", lambda mg: (mg / "hf" / "config.json").write_text('{"architectures": ['),
+     "hf/config.json", "not valid JSON"),
+])
+def test_a_damaged_megatron_checkpoint_is_named_in_one_line(source, tmp_path, capsys, fault, damage, named,
+                                                           expected):
+    """Were tracebacks (FileNotFoundError, UnpicklingError, EOFError, AttributeError) or, for invalid
+    JSON, a message without the file."""
+    mg = tmp_path / "mg"
+    shutil.copytree(source / "mg", mg)
+    damage(mg)
+    out = tmp_path / "back"
+    assert to_hf(["--ckpt-dir", str(mg), "--out-dir", str(out)]) == 2
+    line = _error_line(capsys)
+    assert str(mg / named) in line and expected in line, line
+    if not named.startswith("hf/"):
+        assert line.endswith("damaged or incomplete: save it again, or convert another step's checkpoint"), line
+    assert not out.exists() and _nothing_hidden(out) == []
+
+
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+# ---- 6. export numbers out of range
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--max-shard-gb", "inf"], "--max-shard-gb"),  # was an OverflowError traceback
+    (["--max-shard-gb", "nan"], "--max-shard-gb"),  # was "cannot convert float NaN to integer"
+    (["--max-shard-gb", "0"], "--max-shard-gb"),
+    (["--max-shard-gb", "1e-12"], "--max-shard-gb"),  # under one byte
+    (["--fp8-block", "--bf16-first-layers", "-1"], "--bf16-first-layers -1"),  # was precision.fp8.bf16_first_layers
+    (["--fp8-block", "--bf16-last-layers", "-1"], "--bf16-last-layers -1"),
+    (["--fp8-block", "--bf16-first-layers", "2", "--bf16-last-layers", "1"], "--bf16-last-layers 1"),  # 2 layers
+])
+def test_export_numbers_out_of_range_name_the_flag(source, tmp_path, capsys, args, flag):
+    out = tmp_path / "back"
+    assert to_hf(["--ckpt-dir", str(source / "mg"), "--out-dir", str(out), *args]) == 2
+    line = _error_line(capsys)
+    assert flag in line and "precision." not in line, line
+    assert not out.exists() and _nothing_hidden(out) == []
