@@ -112,7 +112,10 @@ def preflight(job: JobConfig, *, nodes: int, per_node: int, planning: bool, mach
                               "no config.json there yet: download the model, or set model.plan_config to a config.json "
                               "of the same model to plan with (the recipes point at examples/configs/models/)")
         plan_config = job.model.plan_config
-    resolved = resolve(job, world, hf_config=None if plan_config is None else job.model.plan_config_dict())
+    try:
+        resolved = resolve(job, world, hf_config=None if plan_config is None else job.model.plan_config_dict())
+    except ConfigError as e:
+        raise _named_by_source(e, job, plan_config) from None
     launch.check_parallel_layout(nodes, per_node, job.actor.parallel, resolved.rollout_tp)
     if machine:  # before the data, the model and the warm-up
         problems = machine_problems(job)
@@ -127,6 +130,32 @@ def preflight(job: JobConfig, *, nodes: int, per_node: int, planning: bool, mach
     if unchecked:
         warnings.append("tokenizer and data not checked (they need the files above)")
     return Preflight(resolved, data, warnings, len(missing), plan_config)
+
+
+def _named_by_source(e: ConfigError, job: JobConfig, plan_config: Optional[str]) -> ConfigError:
+    """``e`` with an HF config entry's key (``config.json:KEY``, as the model bridges name it)
+    naming where the entry came from: ``model.config.KEY`` when it is set inline, else the file's
+    path (``model.plan_config``'s when planning with it). Other errors as they are."""
+    prefix = "config.json:"
+    if not e.key.startswith(prefix):
+        return e
+    entry = e.key[len(prefix):]
+    if entry.split(".")[0] in job.model.config or (plan_config is None and job.model.hf_config is None):
+        return ConfigError(f"model.config.{entry}", e.got, e.allowed)
+    return ConfigError(f"{plan_config or job.model.config_path()}:{entry}", e.got, e.allowed)
+
+
+def _world_from_env(name: str) -> int:
+    """The world size in the launcher's variable ``name``, an integer >= 1 (else a LaunchError naming it)."""
+    value = os.environ[name]
+    try:
+        world = int(value)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise launch.LaunchError(name, value, "must be an integer >= 1 (the processes jetrl check plans for); "
+                                 "fix or unset it, or pass --world-size N")
+    return world
 
 
 def check(job: JobConfig, args: argparse.Namespace) -> int:
@@ -146,7 +175,7 @@ def check(job: JobConfig, args: argparse.Namespace) -> int:
         world, world_from = args.nodes * args.gpus_per_node, "--nodes"
     else:
         env = next((name for name in ("WORLD_SIZE", "SLURM_NTASKS") if os.environ.get(name)), None)
-        world, world_from = (int(os.environ[env]), env) if env else (1, None)
+        world, world_from = (_world_from_env(env), env) if env else (1, None)
     per_node = min(args.gpus_per_node, world)
     if world % per_node:
         raise ConfigError("--world-size", world, f"must be a multiple of --gpus-per-node ({per_node})")

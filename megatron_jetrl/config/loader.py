@@ -20,20 +20,49 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import yaml
 
 from megatron_jetrl.config.errors import ConfigError
 
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping: PyYAML would keep the last
+    silently, so a second ``run:`` block would replace the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # SafeLoader names it
+                continue
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice (first at line {first_line[key] + 1}); keep one",
+                    key_node.start_mark)
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping at the top of a YAML file; a missing file, bad syntax or another top-level type
-    is a ``ConfigError`` on ``config`` saying where."""
+    """The mapping at the top of a YAML file; a missing or unreadable file, bad syntax, a key given
+    twice or another top-level type is a ``ConfigError`` on ``config`` saying where."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise ConfigError("config", str(path), "is a directory; pass the path of a YAML job config file")
+    if not p.exists():
         raise ConfigError("config", str(path), "no such file; pass the path of a YAML job config")
     try:
-        raw = yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("config", str(path), f"is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError("config", str(path), f"cannot be read ({e.strerror or e})") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

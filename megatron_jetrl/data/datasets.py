@@ -88,7 +88,8 @@ class PromptDataset:
             from megatron_jetrl.data import synthetic
 
             s = settings.synthetic
-            records = synthetic.TASKS[s.task].generate(s.size, s.seed, **s.options)
+            records = synthetic.TASKS[s.task].generate(s.size, s.seed, options_key=f"{key}.synthetic.options",
+                                                       **s.options)
             return cls.from_records(records, tokenizer, settings, key, source=f"synthetic:{s.task}")
         path = Path(settings.path).expanduser()
         if not path.is_file():

@@ -33,7 +33,6 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from megatron_jetrl.config import ConfigError
 
-OPTIONS_KEY = "data.train.synthetic.options"
 MAX_RESPONSE_CHARS = 64
 """Longer responses (after stripping whitespace) score 0 unread; this also bounds the countdown
 parser's recursion depth."""
@@ -107,17 +106,17 @@ TOKENIZER = CharTokenizer()
 # ---------------------------------------------------------------- options
 
 
-def _int_option(options: Mapping[str, object], name: str, lo: int, hi: int) -> int:
+def _int_option(options: Mapping[str, object], key: str, name: str, lo: int, hi: int) -> int:
     v = options[name]
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ConfigError(f"{OPTIONS_KEY}.{name}", v, f"must be an integer in [{lo}, {hi}]")
+        raise ConfigError(f"{key}.{name}", v, f"must be an integer in [{lo}, {hi}]")
     return v
 
 
-def _ops_option(options: Mapping[str, object], allowed: str) -> str:
+def _ops_option(options: Mapping[str, object], key: str, allowed: str) -> str:
     v = options["ops"]
     if not isinstance(v, str) or not v or any(c not in allowed for c in v):
-        raise ConfigError(f"{OPTIONS_KEY}.ops", v, f"must be a non-empty string of operators from {allowed!r}")
+        raise ConfigError(f"{key}.ops", v, f"must be a non-empty string of operators from {allowed!r}")
     return "".join(sorted(set(v), key=allowed.index))
 
 
@@ -154,10 +153,10 @@ def _random_expression(rng: random.Random, nums: list[int], ops: str) -> tuple[s
     return f"{lt}{op}{rt}", _PREC[op], value
 
 
-def _countdown_options(options: Mapping[str, object]) -> dict:
-    lo = _int_option(options, "min_number", 0, 999)
-    return {"num_numbers": _int_option(options, "num_numbers", 2, 6), "min_number": lo,
-            "max_number": _int_option(options, "max_number", lo, 999), "ops": _ops_option(options, "+-*/")}
+def _countdown_options(options: Mapping[str, object], key: str) -> dict:
+    lo = _int_option(options, key, "min_number", 0, 999)
+    return {"num_numbers": _int_option(options, key, "num_numbers", 2, 6), "min_number": lo,
+            "max_number": _int_option(options, key, "max_number", lo, 999), "ops": _ops_option(options, key, "+-*/")}
 
 
 def _countdown_generate(rng: random.Random, options: Mapping[str, object]) -> dict:
@@ -171,8 +170,8 @@ def _countdown_generate(rng: random.Random, options: Mapping[str, object]) -> di
             target = int(value)
             return {"prompt": f"{' '.join(map(str, shown))}>{target}=",
                     "answer": {"numbers": shown, "target": target}, "solution": text}
-    raise ConfigError(OPTIONS_KEY, dict(options), "no non-negative integer target found in 10000 draws; "
-                      "widen the number range or add '+' or '*' to ops")
+    raise ValueError("no non-negative integer target found in 10000 draws; widen the number range or add '+' "
+                     "or '*' to ops")
 
 
 class _Parser:
@@ -256,8 +255,8 @@ def _countdown_score(text: str, answer: Mapping[str, object]) -> float:
 # ---------------------------------------------------------------- arithmetic
 
 
-def _arithmetic_options(options: Mapping[str, object]) -> dict:
-    return {"digits": _int_option(options, "digits", 1, 9), "ops": _ops_option(options, "+-*")}
+def _arithmetic_options(options: Mapping[str, object], key: str) -> dict:
+    return {"digits": _int_option(options, key, "digits", 1, 9), "ops": _ops_option(options, key, "+-*")}
 
 
 def _arithmetic_generate(rng: random.Random, options: Mapping[str, object]) -> dict:
@@ -279,8 +278,8 @@ CHAIN_MULTIPLIER, CHAIN_INCREMENT = 21, 37
 CHAIN_MAX_LENGTH = 64
 
 
-def _chain_options(options: Mapping[str, object]) -> dict:
-    return {"length": _int_option(options, "length", 2, CHAIN_MAX_LENGTH)}
+def _chain_options(options: Mapping[str, object], key: str) -> dict:
+    return {"length": _int_option(options, key, "length", 2, CHAIN_MAX_LENGTH)}
 
 
 def _chain_generate(rng: random.Random, options: Mapping[str, object]) -> dict:
@@ -320,9 +319,10 @@ class SyntheticTask:
 
     name: str
     defaults: Mapping[str, object]
-    check_options: Callable[[Mapping[str, object]], Mapping[str, object]]
-    """Validates the merged options (ConfigError naming the option) and returns them normalised."""
+    check_options: Callable[[Mapping[str, object], str], Mapping[str, object]]
+    """(merged options, their config key) -> the options normalised; a ConfigError names the option."""
     make_record: Callable[[random.Random, Mapping[str, object]], dict]
+    """Raises ValueError when the options allow no record (``generate`` names the options' key)."""
     verify: Callable[[str, object], float]
     """(stripped response of at most ``max_response_chars``, answer) -> a score in [0, 1] (1.0 or
     0.0 but for chain's partial credit)."""
@@ -332,18 +332,23 @@ class SyntheticTask:
     def tokenizer(self) -> CharTokenizer:
         return TOKENIZER
 
-    def generate(self, size: int, seed: int, **options: object) -> list[dict]:
+    def generate(self, size: int, seed: int, *, options_key: str = "synthetic.options", **options: object
+                 ) -> list[dict]:
         """``size`` records ``{"prompt", "answer", "solution"}``, a pure function of (size, seed,
-        options); the first k records of a larger ``size`` equal those of ``size`` = k."""
+        options); the first k records of a larger ``size`` equal those of ``size`` = k. Errors in
+        the options name ``options_key`` (the caller's, e.g. ``data.eval.synthetic.options``)."""
         unknown = sorted(set(options) - set(self.defaults))
         if unknown:
-            raise ConfigError(OPTIONS_KEY, unknown, f"task {self.name!r} takes options {dict(self.defaults)} "
+            raise ConfigError(options_key, unknown, f"task {self.name!r} takes options {dict(self.defaults)} "
                               f"(names and defaults)")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"size must be an integer >= 0; got {size!r}")
-        checked = self.check_options({**self.defaults, **options})
+        checked = self.check_options({**self.defaults, **options}, options_key)
         rng = random.Random(f"{self.name}:{seed}")
-        return [self.make_record(rng, checked) for _ in range(size)]
+        try:
+            return [self.make_record(rng, checked) for _ in range(size)]
+        except ValueError as e:
+            raise ConfigError(options_key, checked, str(e)) from None
 
     def score(self, response: str, answer: object) -> float:
         """The task's score of ``response`` (surrounding whitespace aside): 1.0 for a correct

@@ -110,8 +110,8 @@ def detect(environ: Mapping[str, str]) -> Placement:
 
 
 def _from_torchrun(environ: Mapping[str, str]) -> Placement:
-    world = _int(environ, "WORLD_SIZE")
-    local_world = _int(environ, "LOCAL_WORLD_SIZE", default=world)
+    world = _int(environ, "WORLD_SIZE", minimum=1)
+    local_world = _int(environ, "LOCAL_WORLD_SIZE", default=world, minimum=1)
     if world % local_world:
         raise LaunchError("LOCAL_WORLD_SIZE", local_world, f"must divide WORLD_SIZE ({world})")
     return Placement(
@@ -123,7 +123,8 @@ def _from_torchrun(environ: Mapping[str, str]) -> Placement:
 
 
 def _from_srun(environ: Mapping[str, str]) -> Placement:
-    world = _int(environ, "SLURM_STEP_NUM_TASKS", default=None) or _int(environ, "SLURM_NTASKS")
+    world = (_int(environ, "SLURM_STEP_NUM_TASKS", default=None, minimum=1)
+             or _int(environ, "SLURM_NTASKS", minimum=1))
     nodelist_var = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_JOB_NODELIST"
     nodes = expand_nodelist(_get(environ, nodelist_var), nodelist_var)
     per_node_var = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in environ else "SLURM_TASKS_PER_NODE"
@@ -272,14 +273,21 @@ def _get(environ: Mapping[str, str], name: str) -> str:
     return value
 
 
-def _int(environ: Mapping[str, str], name: str, *, default: Optional[int] = ...) -> Optional[int]:
+def _int(environ: Mapping[str, str], name: str, *, default: Optional[int] = ...,
+         minimum: Optional[int] = None) -> Optional[int]:
+    """Variable ``name`` as an integer (``>= minimum`` when given); ``default`` when it is not set
+    (no default: required)."""
     if name not in environ and default is not ...:
         return default
     value = _get(environ, name)
+    allowed = "must be an integer" + ("" if minimum is None else f" >= {minimum}")
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
-        raise LaunchError(name, value, "must be an integer") from None
+        raise LaunchError(name, value, allowed) from None
+    if minimum is not None and number < minimum:
+        raise LaunchError(name, value, allowed)
+    return number
 
 
 def free_port() -> int:

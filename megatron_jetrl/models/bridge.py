@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
-from megatron_jetrl.config import ConfigError
+from megatron_jetrl.config import ConfigError, check_integer
 from megatron_jetrl.models import layout
 
 COPY, QKV, FC1, VOCAB = "copy", "qkv", "fc1", "vocab"
@@ -104,7 +104,7 @@ class ModelBridge:
                 value = need(key) if default is None else default
             return _positive_int(f"config.json:{key}", value)
 
-        if c.get("use_sliding_window"):
+        if _flag("config.json:use_sliding_window", c.get("use_sliding_window")):
             raise ConfigError("config.json:use_sliding_window", True, "sliding-window attention is not supported")
         hidden, heads = dim("hidden_size"), dim("num_attention_heads")
         groups = dim("num_key_value_heads", heads)
@@ -115,12 +115,15 @@ class ModelBridge:
         head_dim = dim("head_dim", hidden // heads)
         if heads % groups:
             raise ConfigError("config.json:num_key_value_heads", groups, f"must divide num_attention_heads ({heads})")
-        rope = c.get("rope_parameters") or {}
-        theta = c.get("rope_theta", rope.get("rope_theta"))
+        rope = _mapping("config.json:rope_parameters", c.get("rope_parameters"))
+        theta_key, theta = "rope_theta", c.get("rope_theta")
+        if theta is None:
+            theta_key, theta = "rope_parameters.rope_theta", rope.get("rope_theta")
         if theta is None:
             raise ConfigError("config.json:rope_theta", None, "required (or rope_parameters.rope_theta)")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = c.get("rope_scaling") or (rope if rope_type != "default" else None)
+        scaling = _mapping("config.json:rope_scaling", c.get("rope_scaling"))
+        eps = c.get("rms_norm_eps")
         return ModelDims(
             architecture=self.architecture,
             num_layers=dim("num_hidden_layers"),
@@ -131,12 +134,12 @@ class ModelBridge:
             head_dim=head_dim,
             vocab_size=dim("vocab_size"),
             max_position_embeddings=dim("max_position_embeddings", 4096),
-            rope_theta=float(theta),
-            rope_scaling_factor=self._rope_scaling_factor(scaling),
-            norm_eps=float(c.get("rms_norm_eps") or 1e-6),
+            rope_theta=_positive_number(f"config.json:{theta_key}", theta),
+            rope_scaling_factor=self._rope_scaling_factor(scaling or (rope if rope_type != "default" else None)),
+            norm_eps=1e-6 if eps is None else _positive_number("config.json:rms_norm_eps", eps),
             qkv_bias=self._qkv_bias(c),
             qk_norm=self._qk_norm(c),
-            tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tied_embeddings=_flag("config.json:tie_word_embeddings", c.get("tie_word_embeddings")),
         )
 
     def _rope_scaling_factor(self, scaling: Mapping[str, Any] | None) -> float | None:
@@ -146,24 +149,24 @@ class ModelBridge:
         return None
 
     def _qkv_bias(self, c: dict) -> bool:
-        return bool(c.get("attention_bias", False))
+        return _flag("config.json:attention_bias", c.get("attention_bias"))
 
     def _qk_norm(self, c: dict) -> bool:
         return False
 
     def check_layout(self, par: ParallelLayout) -> None:
-        """Fail early, naming the setting, when the model cannot be split this way."""
+        """Fail early, naming the setting, when the model cannot be split this way (``par`` is the
+        trainer's layout, ``actor.parallel``)."""
         d = self.dims
         for name, value in (("tp", par.tp), ("pp", par.pp)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"parallel.{name}", value, "must be an integer >= 1")
+            check_integer(f"actor.parallel.{name}", value, minimum=1)
         divisible = (("num_attention_heads", d.num_heads), ("num_key_value_heads", d.num_groups),
                      ("intermediate_size", d.ffn_hidden_size))
         for what, n in divisible:
             if n % par.tp:
-                raise ConfigError("parallel.tp", par.tp, f"must divide {what} ({n}); choose a TP that divides it")
+                raise ConfigError("actor.parallel.tp", par.tp, f"must divide {what} ({n}); choose a TP that divides it")
         if d.num_layers % par.pp:
-            raise ConfigError("parallel.pp", par.pp, f"must divide num_hidden_layers ({d.num_layers})")
+            raise ConfigError("actor.parallel.pp", par.pp, f"must divide num_hidden_layers ({d.num_layers})")
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocab padded to a multiple of 128 x TP (megatron's make_vocab_size_divisible_by=128)."""
@@ -387,6 +390,39 @@ def _positive_int(key: str, value: Any) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(key, value, "must be a positive integer")
+    return value
+
+
+def _positive_number(key: str, value: Any) -> float:
+    """``value`` as a float when it is a finite number > 0 (a numeric string too: YAML 1.1 reads an
+    inline ``1e-6`` as one); else a ConfigError naming ``key``. An epsilon or RoPE base of 0 is no model."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
+        raise ConfigError(key, value, "must be a finite number > 0")
+    return float(number)
+
+
+def _flag(key: str, value: Any) -> bool:
+    """``value`` when it is true or false, False when unset; else a ConfigError naming ``key``
+    (``bool("false")`` is True)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "must be true or false")
+    return value
+
+
+def _mapping(key: str, value: Any) -> Mapping[str, Any]:
+    """``value`` when it is a mapping (a JSON object), {} when unset; else a ConfigError naming ``key``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, value, "must be a mapping (a JSON object)")
     return value
 
 

@@ -116,8 +116,11 @@ def test_unknown_architecture_lists_the_supported_ones():
 
 def test_heads_not_divisible_by_tp_is_a_clear_error(family):
     arch, config, sd = family
-    with pytest.raises(ConfigError, match="parallel.tp.*num_key_value_heads"):
+    with pytest.raises(ConfigError, match=r"^actor\.parallel\.tp: got 8; must divide num_key_value_heads"):
         bridge_for(config).check_layout(ParallelLayout(tp=8))
+    for tp, pp in ((0, 1), (1, 0)):
+        with pytest.raises(ConfigError, match=r"^actor\.parallel\.(tp|pp): got 0; must be an integer >= 1$"):
+            bridge_for(config).check_layout(ParallelLayout(tp=tp, pp=pp))
 
 
 def test_misshaped_hf_tensor_is_named(family):
@@ -151,6 +154,35 @@ def test_every_dimension_must_be_a_positive_integer(key, value):
     with pytest.raises(ConfigError, match=rf"^config\.json:{key}: got {re.escape(repr(value))}; "
                                           r"must be a positive integer$"):
         bridge_for({**config, key: value})
+
+
+@pytest.mark.parametrize("key", ["rope_theta", "rms_norm_eps"])
+@pytest.mark.parametrize("value", ["abc", 0, -1e-6, float("nan"), float("inf"), True, [1]])
+def test_rope_theta_and_norm_eps_must_be_finite_positive_numbers(key, value):
+    config = {**tiny_hf_model("Qwen3ForCausalLM").config.to_dict(), "rope_theta": 1e4, "rms_norm_eps": 1e-6}
+    with pytest.raises(ConfigError, match=rf"^config\.json:{key}: got {re.escape(repr(value))}; "
+                                          r"must be a finite number > 0$"):
+        bridge_for({**config, key: value})
+    if key == "rope_theta":  # read from rope_parameters (newer transformers) when unset
+        with pytest.raises(ConfigError, match=r"^config\.json:rope_parameters\.rope_theta: got "):
+            bridge_for({**config, "rope_theta": None, "rope_parameters": {"rope_type": "default", key: value}})
+
+
+def test_numbers_as_yaml_strings_and_unset_epsilon():
+    """YAML 1.1 reads an inline 1e-6 as a string: taken as the number. An unset epsilon is 1e-6."""
+    config = tiny_hf_model("Qwen3ForCausalLM").config.to_dict()
+    d = bridge_for({**config, "rope_theta": "1e6", "rms_norm_eps": "1e-5"}).dims
+    assert (d.rope_theta, d.norm_eps) == (1e6, 1e-5)
+    assert bridge_for({**config, "rms_norm_eps": None}).dims.norm_eps == 1e-6
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "use_sliding_window"])
+def test_flags_must_be_true_or_false(key):
+    config = tiny_hf_model("Qwen3ForCausalLM").config.to_dict()
+    with pytest.raises(ConfigError, match=rf"^config\.json:{key}: got 'maybe'; must be true or false$"):
+        bridge_for({**config, key: "maybe"})
+    with pytest.raises(ConfigError, match=r"^config\.json:rope_parameters: got 3; must be a mapping"):
+        bridge_for({**config, "rope_parameters": 3})
 
 
 def test_dimension_defaults_and_integral_floats():

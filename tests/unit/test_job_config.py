@@ -135,7 +135,7 @@ def test_model_dimensions_of_an_inline_config_must_be_positive(override, capsys)
     assert str(e.value) == f"config.json:{key}: got {value}; must be a positive integer"
     assert cli_main(["check", str(TINY), f"model.config.{override}"]) == 2
     out = capsys.readouterr()
-    assert f"config.json:{key}: got {value}; must be a positive integer" in out.err and "config OK" not in out.out
+    assert f"model.config.{key}: got {value}; must be a positive integer" in out.err and "config OK" not in out.out
 
 
 def test_fp8_kv_cache_needs_vllm_and_fp8_rollout():
@@ -424,3 +424,76 @@ def test_check_loads_the_data_and_refuses_an_empty_prompt(tmp_path, capsys):
         assert f"data.train.prompt_key: got 'prompt'; record 2 of {data} (line 2): the prompt is empty" in out.err
         assert "config OK" not in out.out
     assert _tree(tmp_path) == ["plan.json", "train.jsonl"]
+
+
+# -- bad input: one line naming the key, the file or the variable, never a traceback ---------------------------
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"\xff\xfe", "is not UTF-8 text (byte 0); save it as UTF-8"),
+    (b"run:\n  steps: 1\nmodel:\n  tokenizer: x\nrun:\n  steps: 2\n",
+     "is not valid YAML at line 5, column 1: the key 'run' is given twice (first at line 1); keep one"),
+    (b"run: {steps: 1, steps: 2}\n", "is not valid YAML at line 1, column 17: the key 'steps' is given twice"),
+])
+def test_a_config_file_that_cannot_be_read_is_named(tmp_path, capsys, content, reason):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    assert cli_main(["check", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"config error: config: got '{path}'; {reason}")
+    assert cli_main(["check", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"config error: config: got '{tmp_path}'; is a directory; pass the path of " \
+                                      "a YAML job config file\n"
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("base: &b {steps: 1, seed: 2}\nrun:\n  <<: *b\n  steps: 3\n")
+    assert load_yaml(path)["run"] == {"steps": 3, "seed": 2}
+
+
+@pytest.mark.parametrize("override, line", [
+    ("model.config.rope_theta=abc", "model.config.rope_theta: got 'abc'; must be a finite number > 0"),
+    ("model.config.rms_norm_eps=abc", "model.config.rms_norm_eps: got 'abc'; must be a finite number > 0"),
+    ("model.config.rms_norm_eps=0", "model.config.rms_norm_eps: got 0; must be a finite number > 0"),
+    ("model.config.rope_theta=.inf", "model.config.rope_theta: got inf; must be a finite number > 0"),
+    ("model.config.tie_word_embeddings=maybe", "model.config.tie_word_embeddings: got 'maybe'; must be true or false"),
+    ("actor.parallel.tp=0", "actor.parallel.tp: got 0; must be an integer >= 1"),
+    ("actor.parallel.tp=3", "actor.parallel.tp: got 3; must divide num_attention_heads (2)"),
+    ("data.eval.synthetic.options.bogus=1", "data.eval.synthetic.options: got ['bogus']; task 'countdown' takes"),
+    ("data.eval.synthetic.options.num_numbers=99", "data.eval.synthetic.options.num_numbers: got 99; must be an "
+                                                   "integer in [2, 6]"),
+])
+def test_check_names_the_key_of_a_bad_model_layout_or_data_value(override, line, capsys):
+    assert cli_main(["check", str(TINY), override]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith(f"config error: {line}") and out.err.count("\n") == 1 and "config OK" not in out.out
+
+
+def test_model_config_file_errors_name_the_file(tmp_path, capsys):
+    """An entry read from a file is named by the file's path; one set inline by model.config.KEY."""
+    import json
+
+    config = dict(load_yaml(TINY)["model"]["config"], rope_theta="abc")
+    (tmp_path / "model").mkdir()
+    for path in (tmp_path / "plan.json", tmp_path / "model" / "config.json"):
+        path.write_text(json.dumps(config))
+    args = ["check", str(TINY), "model.config={}", f"run.dir={tmp_path / 'run'}"]
+    assert cli_main([*args, f"model.hf_config={tmp_path / 'model'}"]) == 2
+    assert capsys.readouterr().err.startswith(f"config error: {tmp_path / 'model' / 'config.json'}:rope_theta: got "
+                                              "'abc'; must be a finite number > 0")
+    planned = [f"model.hf_config={tmp_path / 'later'}", f"model.plan_config={tmp_path / 'plan.json'}"]
+    assert cli_main([*args, *planned]) == 2
+    assert capsys.readouterr().err.startswith(f"config error: {tmp_path / 'plan.json'}:rope_theta: got 'abc'")
+    assert cli_main([*args, *planned, "model.config.rope_theta=-1"]) == 2
+    assert capsys.readouterr().err.startswith("config error: model.config.rope_theta: got -1;")
+
+
+@pytest.mark.parametrize("name, value", [("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"), ("SLURM_NTASKS", "-3")])
+def test_check_names_a_bad_world_size_variable(name, value, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    monkeypatch.setenv(name, value)
+    assert cli_main(["check", str(TINY)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"config error: environment:{name}: got '{value}'; must be an integer >= 1 (the processes jetrl "
+                   "check plans for); fix or unset it, or pass --world-size N\n")

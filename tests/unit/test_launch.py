@@ -113,6 +113,20 @@ def test_torchrun_placement_wins_over_slurm():
                 "MASTER_PORT": "1"})
 
 
+@pytest.mark.parametrize("name, value", [("WORLD_SIZE", "0"), ("LOCAL_WORLD_SIZE", "0"), ("LOCAL_WORLD_SIZE", "-2"),
+                                         ("WORLD_SIZE", "two")])
+def test_torchrun_sizes_below_one_are_named_not_divided_by(name, value):
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1", name: value}
+    with pytest.raises(LaunchError) as e:
+        detect(env)
+    assert str(e.value) == f"environment:{name}: got {value!r}; must be an integer >= 1"
+
+
+def test_srun_task_count_below_one_is_named():
+    with pytest.raises(LaunchError, match="^environment:SLURM_NTASKS: got '0'; must be an integer >= 1$"):
+        detect(srun_env(SLURM_STEP_NUM_TASKS=None, SLURM_NTASKS="0"))
+
+
 def test_plain_start_is_a_world_of_one():
     p = detect({})
     assert (p.launcher, p.rank, p.world_size, p.master_addr) == ("single", 0, 1, "127.0.0.1")

@@ -118,23 +118,38 @@ def test_tokenizer_unknown_character(text):
 
 
 def test_options_validation():
-    with pytest.raises(ConfigError, match=r"data\.train\.synthetic\.options.*num_numbers") as e:
+    with pytest.raises(ConfigError, match=r"synthetic\.options.*num_numbers") as e:
         CD.generate(4, seed=0, digits=2)
-    assert e.value.key == "data.train.synthetic.options" and e.value.got == ["digits"]
+    assert e.value.key == "synthetic.options" and e.value.got == ["digits"]
     with pytest.raises(ConfigError, match="digits"):
         AR.generate(4, seed=0, num_numbers=2)
     with pytest.raises(ConfigError) as e:
         CD.generate(4, seed=0, ops="+^")
-    assert e.value.key == "data.train.synthetic.options.ops"
+    assert e.value.key == "synthetic.options.ops"
     with pytest.raises(ConfigError) as e:
         CD.generate(0, seed=0, num_numbers=1)
-    assert e.value.key == "data.train.synthetic.options.num_numbers"
+    assert e.value.key == "synthetic.options.num_numbers"
     with pytest.raises(ConfigError) as e:
         CD.generate(4, seed=0, min_number=5, max_number=3)
-    assert e.value.key == "data.train.synthetic.options.max_number"
+    assert e.value.key == "synthetic.options.max_number"
     with pytest.raises(ConfigError) as e:
         AR.generate(4, seed=0, digits=True)
-    assert e.value.key == "data.train.synthetic.options.digits"
+    assert e.value.key == "synthetic.options.digits"
+
+
+def test_option_errors_name_the_callers_key():
+    """The dataset loader passes its own key (data.train or data.eval), so an eval option is not
+    blamed on the train set; so is the countdown range that allows no target."""
+    key = "data.eval.synthetic.options"
+    with pytest.raises(ConfigError) as e:
+        CD.generate(4, seed=0, options_key=key, bogus=1)
+    assert e.value.key == key and e.value.got == ["bogus"]
+    with pytest.raises(ConfigError) as e:
+        CD.generate(4, seed=0, options_key=key, num_numbers=99)
+    assert e.value.key == f"{key}.num_numbers"
+    with pytest.raises(ConfigError, match="no non-negative integer target") as e:
+        CD.generate(4, seed=0, options_key=key, min_number=0, max_number=0, ops="/")
+    assert e.value.key == key
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
