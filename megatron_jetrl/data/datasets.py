@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.data.settings import DatasetSettings
+from megatron_jetrl.data.synthetic import OutOfVocabulary
 from megatron_jetrl.data.tokenizer import Tokenizer, render_prompt, uses_chat_template
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,9 @@ class PromptDataset:
             try:
                 ids = render_prompt(tokenizer, raw, system_prompt=settings.system_prompt,
                                     chat_template=settings.chat_template)
+            except OutOfVocabulary as e:
+                raise ConfigError("model.tokenizer", "synthetic", f"{where}: {e}; a synthetic tokenizer encodes only "
+                                  "its task's prompts: use the model's tokenizer for this data") from None
             except ValueError as e:
                 raise ConfigError(f"{key}.chat_template", settings.chat_template, f"{where}: {e}") from None
             if not ids:

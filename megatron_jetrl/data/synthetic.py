@@ -33,6 +33,10 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from megatron_jetrl.config import ConfigError
 
+class OutOfVocabulary(ValueError):
+    """Text with a character the synthetic tasks' character tokenizer does not have."""
+
+
 MAX_RESPONSE_CHARS = 64
 """Longer responses (after stripping whitespace) score 0 unread; this also bounds the countdown
 parser's recursion depth."""
@@ -80,8 +84,8 @@ class CharTokenizer:
         for i, ch in enumerate(text):
             k = self.chars.find(ch)
             if k < 0:
-                raise ValueError(f"character {ch!r} at position {i} of {text[:40]!r} is not in the synthetic "
-                                 f"vocabulary {self.chars!r}")
+                raise OutOfVocabulary(f"character {ch!r} at position {i} of {text[:40]!r} is not in the synthetic "
+                                      f"vocabulary {self.chars!r}")
             ids.append(len(_SPECIALS) + k)
         return ids
 

@@ -56,6 +56,16 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer("synthetic:nope")
 
 
+def test_prompts_a_synthetic_tokenizer_cannot_encode_name_the_tokenizer():
+    """A data file of real text with the synthetic character tokenizer: the fix is the tokenizer, not
+    the chat template."""
+    records = [{"prompt": "What is 2 + 2?", "answer": "4"}]
+    with pytest.raises(ConfigError, match=r"record 1 of x\.jsonl: character 'W' .* use the model's tokenizer") as e:
+        PromptDataset.from_records(records, load_tokenizer("synthetic:countdown"), DatasetSettings(path="x.jsonl"),
+                                   "data.train", source="x.jsonl")
+    assert e.value.key == "model.tokenizer"
+
+
 def test_load_tokenizer_synthetic():
     tok = load_tokenizer("synthetic:countdown")
     assert tok is synthetic.TASKS["countdown"].tokenizer()
