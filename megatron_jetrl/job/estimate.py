@@ -32,6 +32,7 @@ on the high side; the GPU host's measurements beside it are in docs/benchmarks.m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_jetrl.actor.settings import ActorSettings
@@ -188,8 +189,8 @@ def gpu_capacity(spec: str) -> float:
         value = float(spec)
     except ValueError:
         raise ConfigError("--gpu-memory", spec, "give H100, H200 or a number of GiB") from None
-    if not value > 0:
-        raise ConfigError("--gpu-memory", spec, "must be > 0 GiB")
+    if not 0 < value < math.inf:
+        raise ConfigError("--gpu-memory", spec, "must be a finite number of GiB > 0")
     return value * GiB
 
 

@@ -134,9 +134,9 @@ class ModelBridge:
             head_dim=head_dim,
             vocab_size=dim("vocab_size"),
             max_position_embeddings=dim("max_position_embeddings", 4096),
-            rope_theta=_positive_number(f"config.json:{theta_key}", theta),
+            rope_theta=positive_number(f"config.json:{theta_key}", theta),
             rope_scaling_factor=self._rope_scaling_factor(scaling or (rope if rope_type != "default" else None)),
-            norm_eps=1e-6 if eps is None else _positive_number("config.json:rms_norm_eps", eps),
+            norm_eps=1e-6 if eps is None else positive_number("config.json:rms_norm_eps", eps),
             qkv_bias=self._qkv_bias(c),
             qk_norm=self._qk_norm(c),
             tied_embeddings=_flag("config.json:tie_word_embeddings", c.get("tie_word_embeddings")),
@@ -393,7 +393,7 @@ def _positive_int(key: str, value: Any) -> int:
     return value
 
 
-def _positive_number(key: str, value: Any) -> float:
+def positive_number(key: str, value: Any) -> float:
     """``value`` as a float when it is a finite number > 0 (a numeric string too: YAML 1.1 reads an
     inline ``1e-6`` as one); else a ConfigError naming ``key``. An epsilon or RoPE base of 0 is no model."""
     number = value

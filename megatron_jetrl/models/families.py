@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from megatron_jetrl.config import ConfigError
-from megatron_jetrl.models.bridge import ModelBridge
+from megatron_jetrl.models.bridge import ModelBridge, positive_number
 
 # megatron-core's llama3 rope scaling (RotaryEmbedding._apply_scaling) hard-codes these.
 _MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -34,10 +34,12 @@ class LlamaBridge(ModelBridge):
         if kind != "llama3":
             raise ConfigError("config.json:rope_scaling.rope_type", kind, "only 'llama3' rope scaling is supported")
         for key, expected in _MCORE_LLAMA3_ROPE.items():
-            if float(scaling.get(key, expected)) != expected:
+            if positive_number(f"config.json:rope_scaling.{key}", scaling.get(key, expected)) != expected:
                 raise ConfigError(f"config.json:rope_scaling.{key}", scaling.get(key),
                                   f"megatron-core's llama3 rope scaling fixes it to {expected}")
-        return float(scaling["factor"])
+        if scaling.get("factor") is None:
+            raise ConfigError("config.json:rope_scaling.factor", None, "required with llama3 rope scaling")
+        return positive_number("config.json:rope_scaling.factor", scaling["factor"])
 
 
 class Qwen2Bridge(ModelBridge):

@@ -141,6 +141,12 @@ def test_unsupported_rope_scaling_is_rejected():
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
     with pytest.raises(ConfigError, match="llama3"):
         bridge_for(config)
+    for factor, reason in ((None, "required with llama3"), ("x", "must be a finite number > 0"),
+                           (0, "must be a finite number > 0")):
+        config["rope_parameters"] = {"rope_type": "llama3", "factor": factor, "rope_theta": 1e4}
+        with pytest.raises(ConfigError, match=reason) as e:
+            bridge_for(config)
+        assert e.value.key == "config.json:rope_scaling.factor"
 
 
 _DIMS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",

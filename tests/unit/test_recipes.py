@@ -108,7 +108,7 @@ def test_memory_terms_by_hand(paths):
 
 def test_gpu_capacity_and_recompute_setting():
     assert gpu_capacity("h200") == GPU_MEMORY_GIB["H200"] * GiB and gpu_capacity("40") == 40 * GiB
-    for bad in ("A100", "-1", "0"):
+    for bad in ("A100", "-1", "0", "inf", "nan"):
         with pytest.raises(ValueError, match="--gpu-memory"):
             gpu_capacity(bad)
     with pytest.raises(ConfigError, match="actor.recompute"):
