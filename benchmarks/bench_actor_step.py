@@ -47,6 +47,7 @@ from megatron_jetrl.models import ParallelLayout, bridge_for  # noqa: E402
 from benchmarks.headline import Figure, command_line, update  # noqa: E402
 from benchmarks.model_shapes import lm_head_flop_share, qwen3_shaped  # noqa: E402
 from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402
+from megatron_jetrl.runtime.profiling import COMMUNICATION  # noqa: E402
 
 
 def make_batch(vocab: int, seqs: int, seq_len: int) -> PackedBatch:
@@ -189,6 +190,7 @@ def host_syncs(step) -> dict[str, int]:
 
 
 KERNEL_CLASSES = (  # first match wins: FA3 kernels are CUTLASS kernels, FP8 GEMMs name e4m3
+    COMMUNICATION,  # TP's collectives (their names hold "reduce" and "cat")
     ("attention", r"flash|fmha|attn|attention|softmax"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|sm90_|scaled_mm|splitk|cublas|matmul"),
     ("fp8 quantization", r"quant|fp8|cast_to|e4m3|amax|scale"),

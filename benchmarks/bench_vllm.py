@@ -55,6 +55,7 @@ from pathlib import Path
 
 from benchmarks.headline import Figure, command_line
 from benchmarks.rl_summary import profile_lines, same_work
+from megatron_jetrl.runtime.profiling import COMMUNICATION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,6 +75,7 @@ MODES = {  # name -> (precision.mode, kv_cache_dtype, rollout.vllm.activation_qu
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, DeepGEMM, FlashAttention 3, vLLM's ops
     # vLLM's KV-cache write is "reshape_and_cache_flash": first; FlashAttention 3 kernels are
     # CUTLASS device kernels ("cutlass::device_kernel<flash::..."): before gemm
+    COMMUNICATION,  # at TP > 1: vLLM's custom all-reduce, NCCL
     ("kv cache write", r"reshape_and_cache|cache_kernel"),
     ("attention", r"flash|fmha|attn|attention|paged"),
     ("gemm", r"gemm|cutlass|nvjet|xmma|sm90_|deep_gemm|scaled_mm|splitk|cublas"),

@@ -32,7 +32,13 @@ import torch
 
 from megatron_jetrl.runtime.atomic import save_json_atomic
 
+COMMUNICATION = ("communication", r"nccl|cross_device_reduce|all_?reduce|all_?gather|reduce_?scatter|send_?recv")
+"""NCCL's kernels and vLLM's custom all-reduce (``cross_device_reduce_1stage``: its time includes the
+wait for the slowest rank). First in every class list: "reduce_scatter" would match elementwise's
+"reduce" and copies' "cat"."""
+
 STEP_KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, FlashAttention 3, vLLM's and our ops
+    COMMUNICATION,
     ("kv cache write", r"reshape_and_cache|cache_kernel"),  # vLLM's is "reshape_and_cache_flash": first
     ("attention", r"flash|fmha|attn|attention|paged"),  # FA3 kernels are CUTLASS kernels: before gemm
     ("gemm", r"gemm|cutlass|nvjet|xmma|sm90_|deep_gemm|scaled_mm|splitk|cublas|matmul"),
@@ -55,9 +61,11 @@ recording the CPU side of its host-bound loop would slow it."""
 
 def _kernel_events(prof) -> Iterator:
     """The kernel entries of a finished ``torch.profiler`` profile's averages: device activity only,
-    without CUDA-graph launches, memcpys and memsets."""
+    without CUDA-graph launches, memcpys, memsets and the GPU user annotations that span kernels
+    (c10d marks each collective's kernel as ``nccl:_all_gather_base`` too: counted, it doubled the
+    collectives' time, as torch's own totals know)."""
     for e in prof.key_averages():
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU:
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU or getattr(e, "is_user_annotation", False):
             continue
         if not e.key.startswith("cudaGraph") and "Memcpy" not in e.key and "Memset" not in e.key:
             yield e

@@ -27,6 +27,10 @@ def test_step_kernel_classes_cover_the_engine_and_the_trainer():
         "void jetrl::copy_segments_kernel(": "copies",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::": "elementwise",
         "some_other_kernel": "other",
+        # TP's collectives: "ReduceScatter" holds elementwise's "reduce" and copies' "cat"
+        "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+        "void vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>(vllm::RankData*, vllm::RankSignals": "communication",
     }
     for name, want in names.items():
         assert by_class({name: 1.0}, STEP_KERNEL_CLASSES) == {want: 1.0}, name
@@ -58,9 +62,14 @@ def test_kernel_ms_counts_kernels_not_the_operators_that_launched_them():
     events = [SimpleNamespace(key="aten::mul", device_type=cpu, device_time_total=500.0),  # its kernels' time
               SimpleNamespace(key="vectorized_elementwise_kernel<mul>", device_type=cuda, device_time_total=500.0),
               SimpleNamespace(key="Memcpy DtoD", device_type=cuda, device_time_total=90.0),
-              SimpleNamespace(key="cudaGraphLaunch", device_type=cuda, device_time_total=70.0)]
+              SimpleNamespace(key="cudaGraphLaunch", device_type=cuda, device_time_total=70.0),
+              # c10d's GPU annotation around the collective's kernel: the same time again
+              SimpleNamespace(key="nccl:_all_gather_base", device_type=cuda, device_time_total=300.0,
+                              is_user_annotation=True),
+              SimpleNamespace(key="ncclDevKernel_AllGather_RING_LL", device_type=cuda, device_time_total=300.0,
+                              is_user_annotation=False)]
     prof = SimpleNamespace(key_averages=lambda: events)
-    assert kernel_ms(prof) == {"vectorized_elementwise_kernel<mul>": 0.5}
+    assert kernel_ms(prof) == {"vectorized_elementwise_kernel<mul>": 0.5, "ncclDevKernel_AllGather_RING_LL": 0.3}
 
 
 def test_operator_ms_is_each_operators_own_kernel_time():
