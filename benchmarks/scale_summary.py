@@ -13,9 +13,11 @@ update phase, and the device's used memory (PyTorch's reservation plus CUDA cont
 cuBLAS workspaces and graph pools).
 
 ``--headline``: with runs named ``fp8`` and ``bf16`` (the same work: equal tokens in every timed
-step, else no figure), ``KEY_fp8_over_bf16`` (BF16 step time over FP8's, paired step by step) and
-``KEY_tokens_per_s_per_gpu`` (the FP8 run's, per timed step) go into FILE: medians over the timed
-steps with their range, the device (GPU count and name, read on this host) and ``--command``.
+step, else no figure), and optionally more rounds of both named ``fp8.r2`` / ``bf16.r2``, ...,
+``KEY_fp8_over_bf16`` (BF16 step time over FP8's, paired step by step within a round) and
+``KEY_tokens_per_s_per_gpu`` (the FP8 runs', per timed step) go into FILE: medians over the timed
+steps of every round with their range, the device (GPU count and name, read on this host) and
+``--command``.
 """
 
 from __future__ import annotations
@@ -66,18 +68,36 @@ def _host_gpu() -> str | None:
     return f"{torch.cuda.mem_get_info()[1] / 2**30}" if torch.cuda.is_available() else None
 
 
+def rounds(names) -> list[str]:
+    """The round suffixes of the runs named ``fp8`` / ``bf16`` (round 1) and ``fp8.rN`` / ``bf16.rN``
+    (round N), in round order: ``["", ".r2", ...]``."""
+    suffixes = {n.partition(".")[2] for n in names if n.partition(".")[0] in ("fp8", "bf16")}
+    return sorted((f".{s}" if s else "" for s in suffixes), key=lambda s: int(s[2:] or 1))
+
+
 def headline_figures(runs: dict[str, dict], key: str) -> dict[str, Figure]:
     """``KEY_fp8_over_bf16`` and ``KEY_tokens_per_s_per_gpu`` from the ``fp8`` and ``bf16`` runs'
-    timed steps (module docstring); raises when they are missing or did not do the same work."""
+    timed steps (module docstring), pooled over rounds (``fp8.r2`` beside ``bf16.r2``, ...): the ratio
+    is median over median of every round's steps, its spread the step-by-step ratios within each
+    round, so run-to-run variation shows in it. Raises when a round misses a mode or its two runs did
+    not do the same work."""
     if not {"fp8", "bf16"} <= set(runs):
         raise ValueError(f"--headline needs runs named fp8 and bf16; got {', '.join(runs)}")
-    fp8, bf16 = runs["fp8"], runs["bf16"]
-    if not rl_summary.same_work((fp8, bf16)):
-        raise ValueError(f"fp8 and bf16 did not process the same tokens per timed step ({fp8['tokens_per_timed_step']}"
-                         f" vs {bf16['tokens_per_timed_step']}): no headline figure (fixed lengths: "
-                         "rollout.sampling.ignore_eos=true)")
-    return {f"{key}_fp8_over_bf16": Figure.ratio(bf16["seconds_per_step"]["step"], fp8["seconds_per_step"]["step"]),
-            f"{key}_tokens_per_s_per_gpu": Figure.of(fp8["tokens_per_s_per_gpu_per_step"])}
+    fp8_steps, bf16_steps, tok_s = [], [], []
+    for r in rounds(runs):
+        if not {f"fp8{r}", f"bf16{r}"} <= set(runs):
+            raise ValueError(f"round {r[1:]} has {', '.join(n for n in runs if n.endswith(r))} alone: each round "
+                             "needs both fp8 and bf16")
+        fp8, bf16 = runs[f"fp8{r}"], runs[f"bf16{r}"]
+        if not rl_summary.same_work((fp8, bf16)):
+            raise ValueError(f"fp8{r} and bf16{r} did not process the same tokens per timed step "
+                             f"({fp8['tokens_per_timed_step']} vs {bf16['tokens_per_timed_step']}): no headline "
+                             "figure (fixed lengths: rollout.sampling.ignore_eos=true)")
+        fp8_steps += fp8["seconds_per_step"]["step"]
+        bf16_steps += bf16["seconds_per_step"]["step"]
+        tok_s += fp8["tokens_per_s_per_gpu_per_step"]
+    return {f"{key}_fp8_over_bf16": Figure.ratio(bf16_steps, fp8_steps),
+            f"{key}_tokens_per_s_per_gpu": Figure.of(tok_s)}
 
 
 def main() -> None:

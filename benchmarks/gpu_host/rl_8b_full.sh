@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Qwen3-8B job at full size with vLLM rollout on every GPU of a 4- or 8-GPU host, in one call.
 # Qwen3-8B at real shapes (36 layers, vocab 151936, random weights; benchmarks/configs/qwen3_8b_dims.yaml
-# with all its layers), `jetrl train` under torchrun: FP8 (unified) then BF16 for $STEPS steps each;
+# with all its layers), `jetrl train` under torchrun: FP8 (unified) and BF16 for $STEPS steps each, $ROUNDS times;
 # then a SIGUSR1 -> checkpoint -> resume of the FP8 job on its own directory; `jetrl check`'s memory
 # plan for the same layout beside the measured peak per GPU; the table last.
 #
@@ -9,9 +9,12 @@
 #   third carrying [".vllm_p3", ".whl"]:  bash benchmarks/gpu_host/rl_8b_full.sh start
 #   then, back to back until it says ALL DONE:   bash benchmarks/gpu_host/rl_8b_full.sh wait 560
 #   (the whole run takes longer than one call; it runs on in the background while the machine is held)
-#   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 5) override the layout; LIMIT: seconds
-#   each training run may take (default 540; a fresh host's first FP8 engine start JIT-compiles DeepGEMM's
-#   kernels, ~3.5 min at Qwen3-8B, so a first run there wants ~900); PREEMPT=0
+#   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 5) override the layout. ROUNDS
+#   (default 2): how many times both modes run, fp8 then bf16, then bf16 then fp8, ... (at this layout
+#   two runs of one mode differed by about 20 % in step time, more than the modes differ; the headline
+#   pools the rounds). LIMIT: seconds each training run may take (default 540; a fresh host's first FP8
+#   engine start JIT-compiles DeepGEMM's kernels, 5.4 min at vLLM TP 2, so a first run there wants
+#   ~900; a later one starts from the on-disk cache in ~35 s). PREEMPT=0
 #   skips the checkpoint/resume part; ARGS adds overrides to every run (e.g. STEPS=6
 #   ARGS="run.profile_steps=[6]": one more step, profiled by kernel class into the run directory and
 #   left out of the timed steps). Responses have fixed lengths (ignore_eos), so both modes do the
@@ -22,6 +25,8 @@
 # in the foreground.
 set -uo pipefail
 out=${JETRL_8B_OUT:-/tmp/vllm_8b_out}  # where the run keeps its logs (a test points it elsewhere)
+[[ "${ROUNDS:-2}" =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS=${ROUNDS}: give a whole number >= 1 (how many times" \
+  "both modes run)"; exit 1; }
 case "${1:-}" in
   start)
     mkdir -p "$out"
@@ -44,9 +49,9 @@ JETRL_VLLM_OUT=$out/setup bash benchmarks/gpu_host/vllm.sh || exit 1  # installs
 export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
-tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-5} preempt=${PREEMPT:-1} limit=${LIMIT:-540}
+tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-5} preempt=${PREEMPT:-1} limit=${LIMIT:-540} rounds=${ROUNDS:-2}
 extra=(${ARGS:-})
-command="TP=$tp RTP=$rtp STEPS=$steps LIMIT=$limit PREEMPT=$preempt ARGS='${ARGS:-}' bash benchmarks/gpu_host/rl_8b_full.sh"
+command="TP=$tp RTP=$rtp STEPS=$steps ROUNDS=$rounds LIMIT=$limit PREEMPT=$preempt ARGS='${ARGS:-}' bash benchmarks/gpu_host/rl_8b_full.sh"
 [ "$gpus" -ge 4 ] || { echo "vllm_8b_multi.sh is for 4 or 8 GPUs; this host has $gpus"; exit 1; }
 cfg=benchmarks/configs/qwen3_8b_dims.yaml
 layout=(model.config.num_hidden_layers=36 rollout.engine=vllm actor.parallel.tp="$tp"
@@ -70,9 +75,13 @@ train() {  # name, time limit (s), overrides...
   return $rc
 }
 
-for mode in fp8 bf16; do
-  train "$mode" "$limit" precision.mode="$mode" run.steps="$steps" run.save_at_end=false \
-    || { rc_all=1; grep -E "Error|error:|Traceback" "$out/$mode.log" | grep -v -i warn | head -8; }
+for round in $(seq 1 "$rounds"); do
+  order="fp8 bf16"; [ $((round % 2)) = 0 ] && order="bf16 fp8"  # ABBA: drift over the rounds cancels
+  suffix=""; [ "$round" = 1 ] || suffix=".r$round"
+  for mode in $order; do
+    train "$mode$suffix" "$limit" precision.mode="$mode" run.steps="$steps" run.save_at_end=false \
+      || { rc_all=1; grep -E "Error|error:|Traceback" "$out/$mode$suffix.log" | grep -v -i warn | head -8; }
+  done
 done
 
 if [ "$preempt" = 1 ]; then
@@ -107,7 +116,9 @@ done
 echo
 echo "== Qwen3-8B, $gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), TP=$tp, rollout TP=$rtp"
 python3 -m benchmarks.rl_summary "$out"/*.metrics.jsonl --json "$out/summary.json" 2>&1 | tail -12
-python3 -m benchmarks.scale_summary "$runs"/fp8 "$runs"/bf16 --world-size "$gpus" --json "$out/scale.json" \
+pairs=("$runs"/fp8 "$runs"/bf16)
+for round in $(seq 2 "$rounds"); do pairs+=("$runs/fp8.r$round" "$runs/bf16.r$round"); done
+python3 -m benchmarks.scale_summary "${pairs[@]}" --world-size "$gpus" --json "$out/scale.json" \
   --headline "$out/headline.json" --headline-key rl_step_8b_full --command "$command" 2>&1 || rc_all=1
 [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C "$(dirname "$out")" "$(basename "$out")"
 echo "vllm_8b_multi rc=$rc_all"

@@ -5,6 +5,7 @@ arithmetic; the real ones come from the GPU host (docs/benchmarks.md)."""
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,29 @@ def test_scale_headline_figures_need_the_same_work():
         headline_figures({"fp8": fp8, "bf16": {**bf16, "tokens_per_timed_step": [69000] * 3}}, "rl_step_8b_full")
     with pytest.raises(ValueError, match="fp8 and bf16"):
         headline_figures({"fp8": fp8}, "rl_step_8b_full")
+
+
+def test_scale_headline_figures_pool_rounds_and_pair_steps_within_each():
+    from benchmarks.scale_summary import headline_figures, rounds
+
+    def run(step_s, tokens=70000):
+        return {"seconds_per_step": {"step": step_s}, "tokens_per_s_per_gpu_per_step": [tokens / s for s in step_s],
+                "tokens_per_timed_step": [tokens] * len(step_s)}
+
+    runs = {"fp8": run([10.0, 11.0]), "bf16": run([13.0, 13.2]), "bf16.r2": run([13.4, 12.8]),
+            "fp8.r2": run([13.0, 12.0]), "preempt": run([9.0])}
+    assert rounds(runs) == ["", ".r2"] and rounds({**runs, "fp8.r10": {}}) == ["", ".r2", ".r10"]
+    figs = headline_figures(runs, "rl_step_8b_full")
+    # median over median of both rounds; the spread pairs fp8 with bf16 of the same round and step,
+    # so the slow second FP8 run pulls the low end below 1
+    assert figs["rl_step_8b_full_fp8_over_bf16"] == Figure(
+        statistics.median([13.0, 13.2, 13.4, 12.8]) / statistics.median([10.0, 11.0, 13.0, 12.0]), 4,
+        (13.4 / 13.0, 13.0 / 10.0))
+    assert figs["rl_step_8b_full_tokens_per_s_per_gpu"].repeats == 4
+    with pytest.raises(ValueError, match="round r2 has fp8.r2 alone"):
+        headline_figures({k: v for k, v in runs.items() if k != "bf16.r2"}, "rl_step_8b_full")
+    with pytest.raises(ValueError, match="fp8.r2 and bf16.r2 did not process the same tokens"):
+        headline_figures({**runs, "bf16.r2": run([13.4, 12.8], tokens=69000)}, "rl_step_8b_full")
 
 
 def test_figures_are_medians_with_their_spread():
@@ -598,3 +622,17 @@ def test_waiting_on_a_machine_that_never_started_the_run_stops_at_once(tmp_path,
     assert time.monotonic() - start < 10
     assert done.returncode == 1
     assert done.stdout.startswith("no ") and f"{missing} is missing" in done.stdout and "start again" in done.stdout
+
+
+@pytest.mark.parametrize("rounds", ["0", "two", "-1"])
+def test_the_full_8b_script_refuses_bad_rounds_before_it_starts(tmp_path, rounds):
+    """ROUNDS is checked before anything is started or installed, and ``start`` says so in the
+    foreground instead of in the background run's log."""
+    import subprocess
+
+    env = {**os.environ, "JETRL_8B_OUT": str(tmp_path / "out"), "ROUNDS": rounds, "OUT": ""}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_host" / "rl_8b_full.sh"), "start"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=25)
+    assert done.returncode == 1
+    assert done.stdout.startswith(f"ROUNDS={rounds}: give a whole number >= 1")
+    assert not (tmp_path / "out").exists()
