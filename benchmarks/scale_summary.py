@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from megatron_jetrl.job import load_job, resolve
@@ -70,9 +71,9 @@ def _host_gpu() -> str | None:
 
 def rounds(names) -> list[str]:
     """The round suffixes of the runs named ``fp8`` / ``bf16`` (round 1) and ``fp8.rN`` / ``bf16.rN``
-    (round N), in round order: ``["", ".r2", ...]``."""
-    suffixes = {n.partition(".")[2] for n in names if n.partition(".")[0] in ("fp8", "bf16")}
-    return sorted((f".{s}" if s else "" for s in suffixes), key=lambda s: int(s[2:] or 1))
+    (round N), in round order: ``["", ".r2", ...]``; other names are not rounds."""
+    found = {int(m[1] or 1) for n in names if (m := re.fullmatch(r"(?:fp8|bf16)(?:\.r(\d+))?", n))}
+    return ["" if r == 1 else f".r{r}" for r in sorted(found)]
 
 
 def headline_figures(runs: dict[str, dict], key: str) -> dict[str, Figure]:

@@ -90,7 +90,7 @@ def test_scale_headline_figures_pool_rounds_and_pair_steps_within_each():
 
     runs = {"fp8": run([10.0, 11.0]), "bf16": run([13.0, 13.2]), "bf16.r2": run([13.4, 12.8]),
             "fp8.r2": run([13.0, 12.0]), "preempt": run([9.0])}
-    assert rounds(runs) == ["", ".r2"] and rounds({**runs, "fp8.r10": {}}) == ["", ".r2", ".r10"]
+    assert rounds(runs) == ["", ".r2"] and rounds({**runs, "fp8.r10": {}, "fp8.old": {}}) == ["", ".r2", ".r10"]
     figs = headline_figures(runs, "rl_step_8b_full")
     # median over median of both rounds; the spread pairs fp8 with bf16 of the same round and step,
     # so the slow second FP8 run pulls the low end below 1
