@@ -75,10 +75,12 @@ train() {  # name, time limit (s), overrides...
   return $rc
 }
 
+pairs=()  # the rounds' run directories, for the summary
 for round in $(seq 1 "$rounds"); do
   order="fp8 bf16"; [ $((round % 2)) = 0 ] && order="bf16 fp8"  # ABBA: drift over the rounds cancels
   suffix=""; [ "$round" = 1 ] || suffix=".r$round"
   for mode in $order; do
+    pairs+=("$runs/$mode$suffix")
     train "$mode$suffix" "$limit" precision.mode="$mode" run.steps="$steps" run.save_at_end=false \
       || { rc_all=1; grep -E "Error|error:|Traceback" "$out/$mode$suffix.log" | grep -v -i warn | head -8; }
   done
@@ -116,8 +118,6 @@ done
 echo
 echo "== Qwen3-8B, $gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), TP=$tp, rollout TP=$rtp"
 python3 -m benchmarks.rl_summary "$out"/*.metrics.jsonl --json "$out/summary.json" 2>&1 | tail -12
-pairs=("$runs"/fp8 "$runs"/bf16)
-for round in $(seq 2 "$rounds"); do pairs+=("$runs/fp8.r$round" "$runs/bf16.r$round"); done
 python3 -m benchmarks.scale_summary "${pairs[@]}" --world-size "$gpus" --json "$out/scale.json" \
   --headline "$out/headline.json" --headline-key rl_step_8b_full --command "$command" 2>&1 || rc_all=1
 [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C "$(dirname "$out")" "$(basename "$out")"
