@@ -119,10 +119,10 @@ def _launch_env(args, mode: str = "fp8") -> dict[str, str]:
 
 def _gemm(args, mode: str) -> str:
     """The block-FP8 GEMM ``mode``'s engine runs: ``--fp8-gemm``, ``auto`` resolved as the engine
-    resolves it (DeepGEMM, CUTLASS for an exact mode)."""
+    resolves it (DeepGEMM)."""
     from megatron_jetrl.rollout.vllm_engine import VllmOptions
 
-    return VllmOptions(fp8_gemm=args.fp8_gemm).fp8_gemm_for(_recipe(mode).exact)
+    return VllmOptions(fp8_gemm=args.fp8_gemm).fp8_gemm_kernel
 
 
 def decode_name(mode: str, gemm: str) -> str:

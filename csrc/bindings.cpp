@@ -19,6 +19,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("add_rms_norm", &jetrl::add_rms_norm, "residual add + batch-invariant RMSNorm in one launch (CUDA)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm_quant", &jetrl::rms_norm_quant,
+        "(residual add +) batch-invariant RMSNorm + 1x128 FP8 quantization in one launch (CUDA)", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("pow2_scales"), py::arg("quant_eps"),
+        py::arg("m_align"));
+  m.def("silu_mul_quant", &jetrl::silu_mul_quant, "SiLU(gate) * up + 1x128 FP8 quantization in one launch (CUDA)",
+        py::arg("x"), py::arg("pow2_scales"), py::arg("quant_eps"), py::arg("m_align"));
   m.def("silu_mul", &jetrl::silu_mul, "SiLU(gate) * up of the exact forward, torch's rounding (CUDA)", py::arg("x"));
   m.def("static_fp8_quant", &jetrl::static_fp8_quant, "E4M3 codes of x / scale, one fp32 scale (CUDA)",
         py::arg("x"), py::arg("scale"));

@@ -4,6 +4,8 @@
 #include "dtypes.h"
 #include "messages.h"
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 
 namespace jetrl {
@@ -41,6 +43,38 @@ at::Tensor silu_mul(const at::Tensor& x) {
   silu_mul_cuda(args, x.scalar_type(), x);
 #endif
   return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_quant(const at::Tensor& x, bool pow2_scales, double quant_eps,
+                                                  int64_t m_align) {
+  check_cuda_input(x, "silu_mul_quant");
+  TORCH_CHECK(x.dim() == 2, "silu_mul_quant: x must be 2-D [R, 2I]; got shape ", dims(x.sizes()));
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) % 256 == 0, "silu_mul_quant: x's last dim must be 2I with I a positive "
+              "multiple of 128 (whole 1x128 groups); got ", dims(x.sizes()));
+  TORCH_CHECK(x.stride(1) == 1, "silu_mul_quant: x's last dim must be contiguous (stride 1); got strides ",
+              dims(x.strides()));
+  TORCH_CHECK(std::isfinite(quant_eps) && quant_eps >= 0.0, "silu_mul_quant: quant_eps must be a finite number >= 0; "
+              "got ", std::to_string(quant_eps));
+  TORCH_CHECK(m_align >= 1, "silu_mul_quant: m_align must be >= 1; got ", std::to_string(m_align));
+  const int64_t R = x.size(0), I = x.size(1) / 2;
+  const int64_t ld = std::max<int64_t>((R + m_align - 1) / m_align * m_align, 1);
+  at::Tensor q = at::empty({R, I}, x.options().dtype(at::kFloat8_e4m3fn).memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor s = at::empty_strided({R, I / 128}, {1, ld}, x.options().dtype(at::kFloat));
+  if (R == 0) return {q, s};
+#ifdef JETRL_WITH_CUDA
+  SiluMulQuantArgs args;
+  args.x = x.data_ptr();
+  args.q = static_cast<uint8_t*>(q.data_ptr());
+  args.s = s.data_ptr<float>();
+  args.R = R;
+  args.I = I;
+  args.x_stride = x.stride(0);
+  args.s_stride = ld;
+  args.pow2 = pow2_scales;
+  args.quant_eps = static_cast<float>(quant_eps);
+  silu_mul_quant_cuda(args, x.scalar_type(), x);
+#endif
+  return {q, s};
 }
 
 at::Tensor static_fp8_quant(const at::Tensor& x, const at::Tensor& scale) {

@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
+
 namespace jetrl {
 
 // One launch of silu_mul: y [R, I] (contiguous) = silu(x[:, :I]) * x[:, I:], x [R, 2I] with row
@@ -27,13 +29,31 @@ struct StaticQuantArgs {
   int64_t N = 0;
 };
 
+// One launch of silu_mul_quant: silu_mul's [R, I] values quantized in 1x128 groups: codes q [R, I]
+// e4m3 (contiguous) and scale_inv s [R, I / 128] fp32, column-major with column stride s_stride.
+struct SiluMulQuantArgs {
+  const void* x = nullptr;
+  uint8_t* q = nullptr;
+  float* s = nullptr;
+  int64_t R = 0, I = 0, x_stride = 0, s_stride = 0;
+  bool pow2 = false;
+  float quant_eps = 0.0f;
+};
+
 #ifdef JETRL_WITH_CUDA
 void silu_mul_cuda(const SiluMulArgs& args, at::ScalarType dtype, const at::Tensor& x);
+void silu_mul_quant_cuda(const SiluMulQuantArgs& args, at::ScalarType dtype, const at::Tensor& x);
 void static_fp8_quant_cuda(const StaticQuantArgs& args, at::ScalarType dtype, const at::Tensor& x);
 #endif
 
 // x [R, 2I] bf16/fp16/fp32 on CUDA, last dim contiguous -> new contiguous [R, I].
 at::Tensor silu_mul(const at::Tensor& x);
+
+// silu_mul fused with the 1x128 FP8 quantization of its output: x [R, 2I] as for silu_mul, I a multiple
+// of 128 -> (q [R, I] float8_e4m3fn, scale_inv [R, I / 128] fp32 with strides (1, R rounded up to
+// m_align)): the bytes of quantize_1x128(silu_mul(x)) with these scale options.
+std::tuple<at::Tensor, at::Tensor> silu_mul_quant(const at::Tensor& x, bool pow2_scales, double quant_eps,
+                                                  int64_t m_align);
 
 // x bf16/fp16/fp32 on CUDA, contiguous, any shape; scale fp32 with one element on x's device -> new
 // float8_e4m3fn tensor of x's shape.

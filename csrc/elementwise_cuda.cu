@@ -6,6 +6,8 @@
 // - static_fp8_quant: v = float(x) / scale (an IEEE division, tensor by tensor), clamped to ±448 with
 //   NaN passed through (torch's clamp), then torch's own float -> e4m3 conversion
 //   (c10::Float8_e4m3fn, the header torch's `.to(torch.float8_e4m3fn)` runs).
+// - silu_mul_quant: silu_mul's values quantized in 1x128 groups in the same launch, with the bytes
+//   quantize_cuda.cu's kernel makes of silu_mul's output (the encoding is quantize_cuda.cuh's).
 // __fdiv_rn / __fadd_rn / __fmul_rn keep every operation one IEEE rounding (no FMA contraction).
 // Each thread handles VEC consecutive elements (16-byte loads where the layout allows, else one);
 // nothing depends on other rows or on the grid, so an element gets the same bits in any batch. No host
@@ -17,6 +19,7 @@
 
 #include "cuda_dtypes.cuh"
 #include "elementwise.h"
+#include "quantize_cuda.cuh"
 
 namespace jetrl {
 namespace {
@@ -50,6 +53,32 @@ __global__ void __launch_bounds__(kThreads)
     out.v[e] = Round<T>::from_float(__fmul_rn(s, Round<T>::to_float(up.v[e])));
   }
   *reinterpret_cast<Pack<T, VEC>*>(y + row * I + col) = out;
+}
+
+// SiLU·mul fused with the 1x128 FP8 quantization of its output (the exact forward's activation before
+// the down projection): warp k of the grid encodes group k of the [R, I] output (lane l: its columns
+// 4l .. 4l + 3), each value silu_mul_kernel's and each group encoded as the quantization kernel
+// encodes it (quantize_cuda.cuh).
+constexpr int kQuantWarps = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantWarps * 32) silu_mul_quant_kernel(SiluMulQuantArgs a) {
+  const int lane = threadIdx.x % 32;
+  const int64_t groups = a.I / 128;
+  const int64_t group = static_cast<int64_t>(blockIdx.x) * kQuantWarps + threadIdx.x / 32;
+  if (group >= a.R * groups) return;  // whole warps: the shuffles inside see every lane of theirs
+  const int64_t row = group / groups, g = group % groups, c0 = g * 128 + 4 * lane;
+  const T* xr = static_cast<const T*>(a.x) + row * a.x_stride;
+  T v[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float s = silu_rounded<T>(Round<T>::to_float(xr[c0 + e]));
+    v[e] = Round<T>::from_float(__fmul_rn(s, Round<T>::to_float(xr[a.I + c0 + e])));
+  }
+  float scale_inv;
+  const uint32_t codes = quant::encode_warp_group<T>(v, a.pow2, a.quant_eps, &scale_inv);
+  *reinterpret_cast<uint32_t*>(a.q + row * a.I + c0) = codes;
+  if (lane == 0) a.s[g * a.s_stride + row] = scale_inv;
 }
 
 __device__ __forceinline__ uint8_t e4m3_code(float v, float scale) {
@@ -107,6 +136,15 @@ void launch_static_fp8_quant(const StaticQuantArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace
+
+void silu_mul_quant_cuda(const SiluMulQuantArgs& args, at::ScalarType dtype, const at::Tensor& x) {
+  by_dtype_on_stream(x, dtype, "silu_mul_quant", [&](auto t, cudaStream_t stream) {
+    const int64_t warps = args.R * (args.I / 128);
+    const auto blocks = static_cast<unsigned>((warps + kQuantWarps - 1) / kQuantWarps);
+    silu_mul_quant_kernel<decltype(t)><<<blocks, kQuantWarps * 32, 0, stream>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
 
 void silu_mul_cuda(const SiluMulArgs& args, at::ScalarType dtype, const at::Tensor& x) {
   by_dtype_on_stream(x, dtype, "silu_mul",

@@ -30,76 +30,15 @@
 
 #include "cuda_dtypes.cuh"
 #include "quantize.h"
-#include "quantize_math.h"
+#include "quantize_cuda.cuh"
 
 namespace jetrl {
 namespace {
 
+using namespace quant;  // the shared encoding: Fmt, scale_of_bits, inv_scale, cvt2, nan_fill, kFull
+
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr uint32_t kFull = 0xffffffffu;
-
-// Per input format: elements per 32-bit word, the |x| mask, the first non-finite |x| bit pattern,
-// and how to get floats out of a word.
-template <typename T>
-struct Fmt;
-
-template <>
-struct Fmt<__nv_bfloat16> {
-  static constexpr int kPerWord = 2;
-  static constexpr uint32_t kAbsMask = 0x7FFF7FFFu;
-  static constexpr uint32_t kNonFinite = 0x7F80u;
-  __device__ static __forceinline__ uint32_t vmax(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
-  __device__ static __forceinline__ uint32_t fold(uint32_t w) { return max(w & 0xFFFFu, w >> 16); }
-  __device__ static __forceinline__ float abs_value(uint32_t bits) { return __uint_as_float(bits << 16); }
-  __device__ static __forceinline__ float elem(uint32_t w, int half) {
-    return __uint_as_float(half ? (w & 0xFFFF0000u) : (w << 16));
-  }
-};
-
-template <>
-struct Fmt<__half> {
-  static constexpr int kPerWord = 2;
-  static constexpr uint32_t kAbsMask = 0x7FFF7FFFu;
-  static constexpr uint32_t kNonFinite = 0x7C00u;
-  __device__ static __forceinline__ uint32_t vmax(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
-  __device__ static __forceinline__ uint32_t fold(uint32_t w) { return max(w & 0xFFFFu, w >> 16); }
-  __device__ static __forceinline__ float abs_value(uint32_t bits) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-  }
-  __device__ static __forceinline__ float elem(uint32_t w, int half) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(half ? (w >> 16) : (w & 0xFFFFu))));
-  }
-};
-
-template <>
-struct Fmt<float> {
-  static constexpr int kPerWord = 1;
-  static constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
-  static constexpr uint32_t kNonFinite = 0x7F800000u;
-  __device__ static __forceinline__ uint32_t vmax(uint32_t a, uint32_t b) { return max(a, b); }
-  __device__ static __forceinline__ uint32_t fold(uint32_t w) { return w; }
-  __device__ static __forceinline__ float abs_value(uint32_t bits) { return __uint_as_float(bits); }
-  __device__ static __forceinline__ float elem(uint32_t w, int) { return __uint_as_float(w); }
-};
-
-// amax bits (already folded) -> the fp32 scale; non-finite |x| gives NaN (the bad-block marker).
-template <typename T>
-__device__ __forceinline__ float scale_of_bits(uint32_t amax_bits, bool pow2, float eps) {
-  const float amax = amax_bits >= Fmt<T>::kNonFinite ? INFINITY : Fmt<T>::abs_value(amax_bits);
-  return scale_from_amax(amax, pow2, eps);
-}
-
-__device__ __forceinline__ float inv_scale(float scale) {
-  return scale != scale ? scale : __frcp_rn(scale);
-}
-
-// Two codes, a in the low byte. satfinite saturates to +-448 exactly like the rule's clamp.
-__device__ __forceinline__ uint32_t cvt2(float a, float b, float scale) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(a * scale, b * scale), __NV_SATFINITE, __NV_E4M3);
-}
-
-__device__ __forceinline__ uint32_t nan_fill(uint32_t word, bool bad) { return bad ? 0x7F7F7F7Fu : word; }
 
 // Reduce-scatter max over lanes: N values per lane; after log2(N) halving exchanges lane l holds in
 // v[0] the max over its lane group of value index (l % N).

@@ -17,6 +17,7 @@
 #include <c10/util/Half.h>
 
 #include <cfloat>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -114,6 +115,17 @@ RmsNormArgs norm_args(const at::Tensor& x, const at::Tensor& weight, at::Tensor&
   return args;
 }
 
+void check_residual(const at::Tensor& x, const at::Tensor& residual, const char* op) {
+  TORCH_CHECK(residual.defined() && residual.sizes() == x.sizes(), op, ": residual must have x's shape ",
+              dims(x.sizes()), "; got ", residual.defined() ? dims(residual.sizes()) : std::string("undefined"));
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), op, ": residual must have x's dtype ", x.scalar_type(),
+              "; got ", residual.scalar_type());
+  TORCH_CHECK(residual.stride(1) == 1, op, ": residual's last dim must be contiguous (stride 1); got strides ",
+              dims(residual.strides()));
+  TORCH_CHECK(residual.device() == x.device(), op, ": residual is on ", residual.device().str(),
+              "; it must be on x's device ", x.device().str());
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -121,14 +133,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_inputs(x, weight, eps);
   TORCH_CHECK(x.is_cuda(), "add_rms_norm: the fused kernel runs on CUDA; x is on ", x.device().str(),
               " (ops.rms_norm.add_rms_norm adds, then norms, elsewhere)");
-  TORCH_CHECK(residual.defined() && residual.sizes() == x.sizes(), "add_rms_norm: residual must have x's shape ",
-              dims(x.sizes()), "; got ", residual.defined() ? dims(residual.sizes()) : std::string("undefined"));
-  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "add_rms_norm: residual must have x's dtype ",
-              x.scalar_type(), "; got ", residual.scalar_type());
-  TORCH_CHECK(residual.stride(1) == 1, "add_rms_norm: residual's last dim must be contiguous (stride 1); got strides ",
-              dims(residual.strides()));
-  TORCH_CHECK(residual.device() == x.device(), "add_rms_norm: residual is on ", residual.device().str(),
-              "; it must be on x's device ", x.device().str());
+  check_residual(x, residual, "add_rms_norm");
   const int64_t R = x.size(0), H = x.size(1);
   const auto options = x.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor y = at::empty({R, H}, options), total = at::empty({R, H}, options);
@@ -141,6 +146,48 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   rms_norm_cuda(args, x.scalar_type(), x);
 #endif
   return {y, total};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& x,
+                                                              const std::optional<at::Tensor>& residual,
+                                                              const at::Tensor& weight, double eps, bool pow2_scales,
+                                                              double quant_eps, int64_t m_align) {
+  check_inputs(x, weight, eps);
+  TORCH_CHECK(x.is_cuda(), "rms_norm_quant: the fused kernel runs on CUDA; x is on ", x.device().str(),
+              " (ops.exact.rms_norm_quant norms, then quantizes, elsewhere)");
+  const bool add = residual.has_value() && residual->defined();
+  if (add) check_residual(x, *residual, "rms_norm_quant");
+  TORCH_CHECK(std::isfinite(quant_eps) && quant_eps >= 0.0, "rms_norm_quant: quant_eps must be a finite number >= 0; got ",
+              std::to_string(quant_eps));
+  TORCH_CHECK(m_align >= 1, "rms_norm_quant: m_align must be >= 1; got ", std::to_string(m_align));
+  const int64_t R = x.size(0), H = x.size(1);
+  const int64_t ld = std::max<int64_t>((R + m_align - 1) / m_align * m_align, 1);
+  const auto contiguous = x.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor q = at::empty({R, H}, contiguous.dtype(at::kFloat8_e4m3fn));
+  at::Tensor s = at::empty_strided({R, H / kNormLanes}, {1, ld}, x.options().dtype(at::kFloat));
+  at::Tensor total = add ? at::empty({R, H}, contiguous) : at::Tensor();
+  if (R == 0) return {q, s, total};
+#ifdef JETRL_WITH_CUDA
+  NormQuantArgs args;
+  args.x = x.data_ptr();
+  args.w = weight.data_ptr();
+  if (add) {
+    args.residual = residual->data_ptr();
+    args.total = total.data_ptr();
+    args.r_stride = residual->stride(0);
+  }
+  args.q = static_cast<uint8_t*>(q.data_ptr());
+  args.s = s.data_ptr<float>();
+  args.R = R;
+  args.H = H;
+  args.x_stride = x.stride(0);
+  args.s_stride = ld;
+  args.eps = static_cast<float>(eps);
+  args.pow2 = pow2_scales;
+  args.quant_eps = static_cast<float>(quant_eps);
+  rms_norm_quant_cuda(args, x.scalar_type(), x);
+#endif
+  return {q, s, total};
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

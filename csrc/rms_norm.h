@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <tuple>
 
 namespace jetrl {
@@ -27,8 +28,26 @@ struct RmsNormArgs {
   float eps = 0.0f;
 };
 
+// One launch of rms_norm_quant: the norm of rms_norm (with a residual: of the rounded sum, which it
+// also stores to total) quantized in 1x128 groups as quantize_1x128 quantizes it: codes q [R, H]
+// e4m3 (contiguous) and scale_inv s [R, H / 128] fp32, column-major with column stride s_stride
+// (>= R): s[g * s_stride + r].
+struct NormQuantArgs {
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const void* residual = nullptr;
+  void* total = nullptr;
+  uint8_t* q = nullptr;
+  float* s = nullptr;
+  int64_t R = 0, H = 0, x_stride = 0, r_stride = 0, s_stride = 0;
+  float eps = 0.0f;
+  bool pow2 = false;
+  float quant_eps = 0.0f;
+};
+
 #ifdef JETRL_WITH_CUDA
 void rms_norm_cuda(const RmsNormArgs& args, at::ScalarType dtype, const at::Tensor& x);
+void rms_norm_quant_cuda(const NormQuantArgs& args, at::ScalarType dtype, const at::Tensor& x);
 #endif
 
 // x [R, H] bf16/fp16/fp32, weight [H] of x's dtype, H a multiple of 128 -> new contiguous [R, H].
@@ -39,5 +58,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // (rms_norm(x + residual), x + residual), both new and contiguous.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
+
+// The norm fused with the 1x128 FP8 quantization of its output (CUDA only; the exact forward's norm
+// before an FP8 linear): x [R, H] (and residual, when defined: the residual add first) ->
+// (q [R, H] float8_e4m3fn, scale_inv [R, H / 128] fp32 with strides (1, R rounded up to m_align),
+// total = x + residual or undefined): the bytes of quantize_1x128(rms_norm(...)) with these scale
+// options, the scales in the layout a block-FP8 GEMM reads (m_align 4: DeepGEMM's TMA alignment).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& x,
+                                                              const std::optional<at::Tensor>& residual,
+                                                              const at::Tensor& weight, double eps, bool pow2_scales,
+                                                              double quant_eps, int64_t m_align);
 
 }  // namespace jetrl

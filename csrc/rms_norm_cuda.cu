@@ -11,12 +11,15 @@
 // - y = dtype(float(dtype(x * inv)) * w), both products rounded to fp32 first.
 // With a residual (add_rms_norm) the lanes first form total = dtype(float(x) + float(residual)) (torch's
 // add of two tensors of that dtype), store it, and norm it: one launch for the add and the norm.
+// rms_norm_quant_kernel fuses the norm with the 1x128 FP8 quantization of its output (the codes and
+// scales quantize_cuda.cu makes from the plain kernel's output, shared through quantize_cuda.cuh).
 // Nothing depends on blockIdx beyond the row's address, so a row gets the same bits alone or among
 // thousands. Memory-bound; the second pass over the row mostly hits L1/L2. No host syncs and no
 // allocations besides the output: capturable in a CUDA graph.
 #include <c10/cuda/CUDAException.h>
 
 #include "cuda_dtypes.cuh"
+#include "quantize_cuda.cuh"
 #include "rms_norm.h"
 
 namespace jetrl {
@@ -39,21 +42,12 @@ __device__ __forceinline__ float input_at(const T* __restrict__ xr, const T* __r
   }
 }
 
+// The row's inv = 1 / sqrt(sum / H + eps), in the order above, computed by the block's 128 lanes and
+// returned to every lane; with kAdd each lane also stores its columns' total. Two barriers.
 template <typename T, bool kAdd>
-__global__ void __launch_bounds__(kNormLanes)
-    rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, const T* __restrict__ residual,
-                    T* __restrict__ total, int64_t H, int64_t x_stride, int64_t r_stride, float eps) {
-  using C = Round<T>;
-  __shared__ float lanes[kNormLanes];
-  __shared__ float inv_shared;
-
+__device__ __forceinline__ float row_inv_rms(const T* __restrict__ xr, const T* __restrict__ rr, T* __restrict__ sr,
+                                             int64_t H, float eps, float* lanes, float* inv_shared) {
   const int t = threadIdx.x;
-  const int64_t row = blockIdx.x;
-  const T* xr = x + row * x_stride;
-  const T* rr = kAdd ? residual + row * r_stride : nullptr;
-  T* sr = kAdd ? total + row * H : nullptr;
-  T* yr = y + row * H;
-
   float v = input_at<T, kAdd>(xr, rr, sr, t);
   float acc = __fmul_rn(v, v);
   for (int64_t c = t + kNormLanes; c < H; c += kNormLanes) {
@@ -71,16 +65,73 @@ __global__ void __launch_bounds__(kNormLanes)
     for (int s = 16; s >= 1; s /= 2) sum = __fadd_rn(sum, __shfl_down_sync(kFull, sum, s));
     if (t == 0) {
       const float mean = __fdiv_rn(sum, static_cast<float>(H));
-      inv_shared = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+      *inv_shared = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     }
   }
   __syncthreads();
-  const float inv = inv_shared;
+  return *inv_shared;
+}
 
+// The normed value of an input value v (x's, or the rounded sum): y = dtype(float(dtype(v * inv)) * w).
+template <typename T>
+__device__ __forceinline__ T normed_value(float v, float inv, T w) {
+  using C = Round<T>;
+  const T normed = C::from_float(__fmul_rn(v, inv));
+  return C::from_float(__fmul_rn(C::to_float(normed), C::to_float(w)));
+}
+
+template <typename T, bool kAdd>
+__global__ void __launch_bounds__(kNormLanes)
+    rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, const T* __restrict__ residual,
+                    T* __restrict__ total, int64_t H, int64_t x_stride, int64_t r_stride, float eps) {
+  using C = Round<T>;
+  __shared__ float lanes[kNormLanes];
+  __shared__ float inv_shared;
+
+  const int t = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * x_stride;
+  const T* rr = kAdd ? residual + row * r_stride : nullptr;
+  T* sr = kAdd ? total + row * H : nullptr;
+  T* yr = y + row * H;
+
+  const float inv = row_inv_rms<T, kAdd>(xr, rr, sr, H, eps, lanes, &inv_shared);
   const T* in = kAdd ? sr : xr;  // this lane's own stores: visible to it without a barrier
-  for (int64_t c = t; c < H; c += kNormLanes) {
-    const T normed = C::from_float(__fmul_rn(C::to_float(in[c]), inv));
-    yr[c] = C::from_float(__fmul_rn(C::to_float(normed), C::to_float(w[c])));
+  for (int64_t c = t; c < H; c += kNormLanes) yr[c] = normed_value<T>(C::to_float(in[c]), inv, w[c]);
+}
+
+// The norm fused with the 1x128 quantization of its output (the exact forward's norm before an FP8
+// linear): after row_inv_rms, warp k encodes groups k, k + 4, ... (lane l: columns 4l .. 4l + 3 of
+// the group), each value the normed_value the plain kernel stores and each group encoded as the
+// quantization kernel encodes it (quantize_cuda.cuh). The values are recomputed from the inputs
+// (a rounded sum is the same in every lane), never read back from another lane's stores.
+template <typename T, bool kAdd>
+__global__ void __launch_bounds__(kNormLanes) rms_norm_quant_kernel(NormQuantArgs a) {
+  using C = Round<T>;
+  __shared__ float lanes[kNormLanes];
+  __shared__ float inv_shared;
+
+  const int t = threadIdx.x, lane = t % kWarp, warp = t / kWarp;
+  const int64_t row = blockIdx.x;
+  const T* xr = static_cast<const T*>(a.x) + row * a.x_stride;
+  const T* rr = kAdd ? static_cast<const T*>(a.residual) + row * a.r_stride : nullptr;
+  T* sr = kAdd ? static_cast<T*>(a.total) + row * a.H : nullptr;
+  const T* w = static_cast<const T*>(a.w);
+
+  const float inv = row_inv_rms<T, kAdd>(xr, rr, sr, a.H, a.eps, lanes, &inv_shared);
+  for (int64_t g = warp; g < a.H / kNormLanes; g += kNormLanes / kWarp) {
+    const int64_t c0 = g * kNormLanes + 4 * lane;
+    T v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float in = kAdd ? C::to_float(C::from_float(__fadd_rn(C::to_float(xr[c0 + e]), C::to_float(rr[c0 + e]))))
+                            : C::to_float(xr[c0 + e]);
+      v[e] = normed_value<T>(in, inv, w[c0 + e]);
+    }
+    float scale_inv;
+    const uint32_t codes = quant::encode_warp_group<T>(v, a.pow2, a.quant_eps, &scale_inv);
+    *reinterpret_cast<uint32_t*>(a.q + row * a.H + c0) = codes;
+    if (lane == 0) a.s[g * a.s_stride + row] = scale_inv;
   }
 }
 
@@ -105,6 +156,19 @@ void launch_typed(const RmsNormArgs& a, cudaStream_t stream) {
 void rms_norm_cuda(const RmsNormArgs& args, at::ScalarType dtype, const at::Tensor& x) {
   by_dtype_on_stream(x, dtype, "rms_norm",
                      [&](auto t, cudaStream_t stream) { launch_typed<decltype(t)>(args, stream); });
+}
+
+void rms_norm_quant_cuda(const NormQuantArgs& args, at::ScalarType dtype, const at::Tensor& x) {
+  by_dtype_on_stream(x, dtype, "rms_norm_quant", [&](auto t, cudaStream_t stream) {
+    using T = decltype(t);
+    const auto blocks = static_cast<unsigned>(args.R);
+    if (args.residual != nullptr) {
+      rms_norm_quant_kernel<T, true><<<blocks, kNormLanes, 0, stream>>>(args);
+    } else {
+      rms_norm_quant_kernel<T, false><<<blocks, kNormLanes, 0, stream>>>(args);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 }  // namespace jetrl

@@ -14,8 +14,8 @@ ordinary gradient (the backward never has to match anything):
   backward by recomputing torch's varlen attention (the trainer's usual kernel) on the same BF16
   q, k, v; with an FP8 KV cache on the values the cache holds (``fp8_cache_values``: the gradient
   at the point the forward computed, straight through the rounding, none where the scale clipped).
-- FP8 linears keep ``fp8_block_linear`` with its FProp GEMM swapped for vLLM's CUTLASS call
-  (``VllmKernels.fp8_gemm``); DGrad and WGrad stay the trainer's.
+- FP8 linears keep ``fp8_block_linear`` with its FProp GEMM swapped for the one vLLM runs for the
+  linear (``VllmKernels.fp8_gemm``: DeepGEMM or CUTLASS); DGrad and WGrad stay the trainer's.
 - ``exact_rope``: forward with ``ops.exact.rope`` (the kernel vLLM's rotary embedding runs),
   backward through its eager reference recomputed from the saved input.
 - SiLU·mul, the residual adds and the embedding need nothing here: megatron computes them with the

@@ -29,9 +29,9 @@
   the recipe keeps the first/last N layers in BF16 and a linear does not know its layer number.
 - The exact mode (``precision.exact``, ``actor/exact.py``): the norms become ``ExactRMSNorm``, the
   linears of BF16 layers and the LM head compute their forward GEMM with vLLM's batch-invariant
-  matmul, FP8 FProp with vLLM's CUTLASS call, attention with vLLM's FlashAttention over paged K/V,
-  and RoPE with ``ops.exact.rope`` (``actor.exact.exact_rope``); the actor hands the kernels to
-  the modules after construction.
+  matmul, FP8 FProp with the block-FP8 GEMM vLLM runs for the linear, attention with vLLM's
+  FlashAttention over paged K/V, and RoPE with ``ops.exact.rope`` (``actor.exact.exact_rope``); the
+  actor hands the kernels to the modules after construction.
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ class PackedCoreAttention(MegatronModule):
 class _Fp8LinearMixin:
     """Replaces megatron's ``_forward_impl`` (the GEMM plus its TP communication): FP8 GEMMs in an FP8
     layer, megatron's BF16 GEMM otherwise, and in the exact mode (``exact_kernels`` set) vLLM's
-    FProp kernels (CUTLASS block FP8, or its batch-invariant BF16 matmul)."""
+    FProp kernels (its block-FP8 GEMM, DeepGEMM or CUTLASS, or its batch-invariant BF16 matmul)."""
 
     fp8_quantizer: Optional[Fp8Quantizer] = None
     fp8_gemm: GemmBackend = "auto"

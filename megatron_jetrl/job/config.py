@@ -330,8 +330,6 @@ def _check_exact(job: JobConfig) -> None:
          f"the exact rollout needs the trainer's layout in the engine (each rank the same slices of every GEMM): "
          f"set rollout.vllm.tensor_parallel_size={par.tp} (actor.parallel.tp)"),
         ("actor.parallel.pp", par.pp, par.pp == 1, "the exact rollout is verified at PP 1: set actor.parallel.pp=1"),
-        ("rollout.vllm.fp8_gemm", vllm.fp8_gemm, vllm.fp8_gemm_for(exact=True) == "cutlass",
-         "the trainer's exact FProp calls vLLM's CUTLASS block-FP8 GEMM: set rollout.vllm.fp8_gemm=auto or cutlass"),
         ("rollout.vllm.attention_backend", vllm.attention_backend, vllm.attention_backend in ("auto", "flash_attn"),
          "the trainer's exact attention is FlashAttention's forward: set rollout.vllm.attention_backend=auto or "
          "flash_attn"),
@@ -480,7 +478,7 @@ class Resolved:
         """vLLM's block-FP8 GEMM, ``auto`` resolved (DeepGEMM JIT-compiles at a cold start)."""
         if job.rollout.engine != "vllm" or not job.precision.rollout_fp8:
             return ""
-        gemm = job.rollout.options.fp8_gemm_for(job.precision.exact)
+        gemm = job.rollout.options.fp8_gemm_kernel
         return ", block-FP8 GEMM " + ("DeepGEMM" if gemm == "deep_gemm" else "CUTLASS")
 
     def describe(self, job: JobConfig, gpu_bytes: float | None = None) -> list[str]:

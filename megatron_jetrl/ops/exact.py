@@ -17,8 +17,11 @@ Two kinds, one list (``EXACT_OPS``):
   compiled graph cannot fuse it into something that rounds differently.
 - **vLLM's own batch-invariant kernels** (what its layers call with ``VLLM_BATCH_INVARIANT=1``),
   which the trainer's forward calls too (``VllmKernels``): the BF16 GEMM (the LM head, and the
-  linears of BF16 layers: vLLM's Triton persistent matmul, fixed tiles), the block-FP8 GEMM
-  (CUTLASS, the same call vLLM's ``CutlassFp8BlockScaledMMKernel`` makes), FlashAttention with one
+  linears of BF16 layers: vLLM's Triton persistent matmul, fixed tiles), the block-FP8 GEMM that
+  vLLM picked for the linear (DeepGEMM's ``fp8_gemm_nt`` as vLLM's ``DeepGemmFp8BlockScaledMMKernel``
+  calls it, or CUTLASS as its ``CutlassFp8BlockScaledMMKernel`` does; both give a row the same bits
+  whatever the number of rows: neither splits K, and every tile shape sums a row's K blocks in the
+  same order with the same promotion, ``tests/gpu/test_exact_kernels.py``), FlashAttention with one
   KV split over a paged KV cache (the call vLLM's FlashAttention backend makes for prefill and
   decode; with an FP8 KV cache, K and V written into FP8 pages by vLLM's own cache kernel with the
   layer's scales, and the scales passed as FlashAttention's descales) and the sampled token's
@@ -35,14 +38,15 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron_jetrl.ops.extension import load_extension
-from megatron_jetrl.ops.rms_norm import add_rms_norm, rms_norm
-from megatron_jetrl.precision import E4M3_MAX, Fp8Tensor
+from megatron_jetrl.ops.quantize import quantize_rows, rows_scale_layout
+from megatron_jetrl.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
+from megatron_jetrl.precision import E4M3_MAX, GROUP_1x128, Fp8Tensor, quantize_fp8_blockwise
 
 EXACT_OPS = ("embedding", "rms_norm", "residual_add", "qk_norm", "rope", "kv_quant", "attention", "silu_mul",
              "fp8_gemm", "bf16_gemm", "lm_head", "token_logprob")
@@ -97,6 +101,55 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return y_RI.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
+def _rows_quantized_reference(y_RH: torch.Tensor, pow2_scales: bool, quant_eps: float,
+                              m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y``'s 1x128 codes and scale_inv (``precision.quantize_fp8_blockwise``) in the layout the
+    engine's block-FP8 GEMM reads (``ops.quantize.rows_scale_layout``)."""
+    q, s = quantize_fp8_blockwise(y_RH, GROUP_1x128, pow2_scales=pow2_scales, eps=quant_eps)
+    return q, rows_scale_layout(y_RH, m_align).copy_(s)
+
+
+def rms_norm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None,
+                             *, pow2_scales: bool, quant_eps: float, m_align: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The unfused ops in eager torch: (with a residual, the BF16 add first) ``rms_norm_reference``,
+    then the 1x128 quantization of its output. x (and residual) [R, H] -> (q [R, H] e4m3,
+    scale_inv [R, H/128] in ``rows_scale_layout``, x + residual or None)."""
+    total = None if residual is None else x + residual
+    y = rms_norm_reference(x if total is None else total, weight, eps)
+    return (*_rows_quantized_reference(y, pow2_scales, quant_eps, m_align), total)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None, *,
+                   pow2_scales: bool, quant_eps: float, m_align: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``rms_norm_quant_reference``'s bytes: on CUDA one kernel (csrc/rms_norm_cuda.cu: the norm's
+    own arithmetic, then each 1x128 group encoded as the quantization kernel encodes it; equal bit
+    for bit, tested) instead of a norm and a quantization; elsewhere the two kernels in turn. What
+    the engine runs before an FP8 linear in the exact mode (``rollout.vllm_exact``'s fusion pass)."""
+    if not x.is_cuda:
+        y, total = (rms_norm(x, weight, eps), None) if residual is None else add_rms_norm(x, residual, weight, eps)
+        return (*quantize_rows(y, pow2_scales=pow2_scales, eps=quant_eps, m_align=m_align), total)
+    return load_extension().rms_norm_quant(x, residual, weight, float(eps), bool(pow2_scales), float(quant_eps),
+                                           int(m_align))
+
+
+def silu_mul_quant_reference(x: torch.Tensor, *, pow2_scales: bool, quant_eps: float,
+                             m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu_mul_reference`` then the 1x128 quantization of its output, in eager torch: x [R, 2I]
+    -> (q [R, I] e4m3, scale_inv [R, I/128] in ``rows_scale_layout``)."""
+    return _rows_quantized_reference(silu_mul_reference(x), pow2_scales, quant_eps, m_align)
+
+
+def silu_mul_quant(x: torch.Tensor, *, pow2_scales: bool, quant_eps: float,
+                   m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu_mul_quant_reference``'s bytes: on CUDA one kernel (csrc/elementwise_cuda.cu; equal bit
+    for bit, tested), elsewhere ``silu_mul`` and the quantization in turn."""
+    if not x.is_cuda:
+        return quantize_rows(silu_mul(x), pow2_scales=pow2_scales, eps=quant_eps, m_align=m_align)
+    return load_extension().silu_mul_quant(x, bool(pow2_scales), float(quant_eps), int(m_align))
+
+
 def static_fp8_quant_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """E4M3 codes of ``x`` with one fp32 scale (an FP8 KV cache's query quantization): ``x / scale``
     in fp32, clamped to ±448, rounded to nearest even; eager torch ops (an IEEE division), any shape."""
@@ -142,12 +195,22 @@ def rope(t_THD: torch.Tensor, positions_T: torch.Tensor, inv_freq: torch.Tensor)
     return load_extension().rope(t_THD, positions_T, inv_freq)
 
 
+def _quantized_like(x_RK: torch.Tensor, k: int, m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty codes [R, k] e4m3 and scale_inv in ``rows_scale_layout``: a fused quantizing op's outputs."""
+    rows = x_RK.shape[0]
+    return (torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x_RK.device),
+            rows_scale_layout(x_RK.new_empty((rows, k)), m_align))
+
+
 @functools.cache
 def custom_ops() -> Any:
     """``torch.ops.jetrl`` with the exact ops registered (once per process): ``rms_norm(x, w, eps)``,
     ``add_rms_norm(x, residual, w, eps) -> (normed, x + residual)``, ``silu_mul(x)`` and
     ``rope(positions, q, k, inv_freq) -> (q, k)`` (q, k [T, H*D] as vLLM passes them: rows of any
-    stride, each row contiguous; new contiguous outputs) and ``static_fp8_quant(x, scale)``."""
+    stride, each row contiguous; new contiguous outputs) and ``static_fp8_quant(x, scale)``; the fused
+    ops the engine's fusion pass puts before its FP8 linears (x [R, H] 2-D): ``rms_norm_quant(x, w,
+    eps, pow2_scales, quant_eps, m_align) -> (q, scale_inv)``, ``add_rms_norm_quant(x, residual, w, eps,
+    ...) -> (q, scale_inv, x + residual)`` and ``silu_mul_quant(x, ...) -> (q, scale_inv)``."""
 
     @torch.library.custom_op("jetrl::rms_norm", mutates_args=())
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -187,6 +250,35 @@ def custom_ops() -> Any:
         return torch.empty_like(query, memory_format=torch.contiguous_format), \
             torch.empty_like(key, memory_format=torch.contiguous_format)
 
+    @torch.library.custom_op("jetrl::rms_norm_quant", mutates_args=())
+    def _rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, pow2_scales: bool, quant_eps: float,
+                        m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s, _ = rms_norm_quant(x, weight, eps, pow2_scales=pow2_scales, quant_eps=quant_eps, m_align=m_align)
+        return q, s
+
+    @_rms_norm_quant.register_fake
+    def _(x, weight, eps, pow2_scales, quant_eps, m_align):
+        return _quantized_like(x, x.shape[-1], m_align)
+
+    @torch.library.custom_op("jetrl::add_rms_norm_quant", mutates_args=())
+    def _add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            pow2_scales: bool, quant_eps: float,
+                            m_align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return rms_norm_quant(x, weight, eps, residual, pow2_scales=pow2_scales, quant_eps=quant_eps, m_align=m_align)
+
+    @_add_rms_norm_quant.register_fake
+    def _(x, residual, weight, eps, pow2_scales, quant_eps, m_align):
+        return *_quantized_like(x, x.shape[-1], m_align), torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.custom_op("jetrl::silu_mul_quant", mutates_args=())
+    def _silu_mul_quant(x: torch.Tensor, pow2_scales: bool, quant_eps: float,
+                        m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return silu_mul_quant(x, pow2_scales=pow2_scales, quant_eps=quant_eps, m_align=m_align)
+
+    @_silu_mul_quant.register_fake
+    def _(x, pow2_scales, quant_eps, m_align):
+        return _quantized_like(x, x.shape[-1] // 2, m_align)
+
     @torch.library.custom_op("jetrl::static_fp8_quant", mutates_args=())
     def _static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return static_fp8_quant(x, scale)
@@ -206,6 +298,9 @@ class VllmKernels:
 
     ``bf16_gemm(x [M, K], w [N, K]) -> [M, N]``: vLLM's ``linear_batch_invariant``.
     ``cutlass_scaled_mm``: ``vllm._custom_ops.cutlass_scaled_mm``.
+    ``deep_gemm``: vLLM's ``fp8_gemm_nt`` where vLLM runs DeepGEMM in this process (``VLLM_USE_DEEP_GEMM``,
+    Hopper), else None; ``deep_gemm_takes(out dtype, (N, K))``: vLLM's own rule for which linears it
+    gives DeepGEMM (``should_use_deepgemm_for_fp8_linear``), so both sides pick per linear alike.
     ``flash_attn_varlen_func`` and ``fa_version``: vLLM's FlashAttention and the version its backend
     picked on this GPU.
     ``token_logprobs(logits [M, V], ids [M, k]) -> [M, k] fp32``: vLLM's V2 model runner's logprob
@@ -215,6 +310,8 @@ class VllmKernels:
 
     bf16_gemm: Callable[..., torch.Tensor]
     cutlass_scaled_mm: Callable[..., torch.Tensor]
+    deep_gemm: Optional[Callable[..., None]]
+    deep_gemm_takes: Callable[[torch.dtype, tuple[int, int]], bool]
     flash_attn_varlen_func: Callable[..., Any]
     fa_version: int
     descale_query: bool
@@ -222,13 +319,26 @@ class VllmKernels:
     token_logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     reshape_and_cache_flash: Callable[..., None]
 
+    def fp8_kernel(self, out_dtype: torch.dtype, n: int, k: int) -> str:
+        """The block-FP8 GEMM vLLM runs for a linear of weight [n, k] with this output dtype:
+        ``deep_gemm`` or ``cutlass`` (its kernel choice: DeepGEMM first where it takes the shape)."""
+        return "deep_gemm" if self.deep_gemm is not None and self.deep_gemm_takes(out_dtype, (n, k)) else "cutlass"
+
     def fp8_gemm(self, a: Fp8Tensor, w: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """``a · wᵀ`` -> [M, N]: a with 1x128 groups (scales group-major, strides (1, M), as the
-        trainer's quantization kernel returns them), w with 128x128 blocks: the arguments vLLM's
-        CUTLASS block-FP8 linear passes (``ops.cutlass_scaled_mm(A, B.T, scale_a=As, scale_b=Bs.T)``)."""
+        trainer's quantization kernel returns them), w with 128x128 blocks, on the kernel vLLM runs
+        for this linear (``fp8_kernel``), called with the arguments vLLM's linear passes it:
+        DeepGEMM's ``fp8_gemm_nt((A, As), (B, Bs), out)`` with fp32 scales, or CUTLASS's
+        ``cutlass_scaled_mm(A, B.T, scale_a=As, scale_b=Bs.T)``. The scales' layout (DeepGEMM makes
+        its own TMA-aligned copy where it needs one) changes no value."""
         scale_a = a.scale_inv
         if a.data.shape[0] > 1 and scale_a.stride(0) != 1:
             scale_a = scale_a.t().contiguous().t()
+        n, k = w.data.shape
+        if self.fp8_kernel(out_dtype, n, k) == "deep_gemm":
+            out = torch.empty(a.data.shape[0], n, dtype=out_dtype, device=a.data.device)
+            self.deep_gemm((a.data, scale_a), (w.data, w.scale_inv), out, is_deep_gemm_e8m0_used=False)
+            return out
         return self.cutlass_scaled_mm(a.data, w.data.t(), scale_a=scale_a, scale_b=w.scale_inv.t(),
                                       out_dtype=out_dtype)
 
@@ -303,10 +413,24 @@ def vllm_kernels() -> VllmKernels:
     version = get_flash_attn_version()
     if version is None:
         raise ExactUnavailable("vLLM finds no FlashAttention for this GPU; precision.exact needs it")
+    deep_gemm, deep_gemm_takes = _vllm_deep_gemm()
     return VllmKernels(bf16_gemm=module.linear_batch_invariant, cutlass_scaled_mm=vllm_ops.cutlass_scaled_mm,
+                       deep_gemm=deep_gemm, deep_gemm_takes=deep_gemm_takes,
                        flash_attn_varlen_func=flash_attn_varlen_func, fa_version=int(version),
                        descale_query=bool(flash_attn_supports_quant_query_input()),
                        token_logprobs=compute_token_logprobs, reshape_and_cache_flash=reshape_and_cache_flash)
+
+
+def _vllm_deep_gemm() -> tuple[Optional[Callable[..., None]], Callable[[torch.dtype, tuple[int, int]], bool]]:
+    """vLLM's DeepGEMM entry (None where vLLM would not run DeepGEMM in this process: its
+    ``is_deep_gemm_supported``, which reads ``VLLM_USE_DEEP_GEMM`` and the GPU) and its per-linear
+    rule. A vLLM without a DeepGEMM integration picks CUTLASS for every linear."""
+    try:
+        from vllm.utils.deep_gemm import fp8_gemm_nt, is_deep_gemm_supported, should_use_deepgemm_for_fp8_linear
+    except ImportError:
+        return None, lambda out_dtype, shape: False
+    return (fp8_gemm_nt if is_deep_gemm_supported() else None), (
+        lambda out_dtype, shape: should_use_deepgemm_for_fp8_linear(out_dtype, shape, supports_deep_gemm=True))
 
 
 @dataclass(frozen=True)

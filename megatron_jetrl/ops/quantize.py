@@ -43,6 +43,26 @@ def quantize_128x128(
     return blocks, transposed
 
 
+def rows_scale_layout(x_MK: torch.Tensor, m_align: int) -> torch.Tensor:
+    """An empty [M, K/128] fp32 scale tensor on x's device, column-major with the column stride M
+    rounded up to ``m_align`` (1: torch's and CUTLASS's layout; 4: DeepGEMM's TMA alignment)."""
+    m, k = x_MK.shape
+    stride = max((m + m_align - 1) // m_align * m_align, 1)
+    return torch.empty_strided((m, k // GROUP_1x128[1]), (1, stride), dtype=torch.float32, device=x_MK.device)
+
+
+def quantize_rows(x_MK: torch.Tensor, *, pow2_scales: bool, eps: float,
+                  m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 rowwise codes [M, K] and scale_inv in ``rows_scale_layout(x, m_align)``: the activation
+    quantization a block-FP8 linear of the rollout engine reads (``rollout/vllm_quant.py``)."""
+    if x_MK.shape[0] == 0:
+        return torch.empty(x_MK.shape, dtype=torch.float8_e4m3fn, device=x_MK.device), rows_scale_layout(x_MK, m_align)
+    row, _ = quantize_1x128(x_MK, rowwise=True, columnwise=False, pow2_scales=pow2_scales, eps=eps)
+    if m_align == 1 or x_MK.shape[0] % m_align == 0:
+        return row.data, row.scale_inv  # column-major: strides (1, M), M already aligned
+    return row.data, rows_scale_layout(x_MK, m_align).copy_(row.scale_inv)
+
+
 class NativeQuantizer:
     """``Fp8Quantizer`` on the fused kernels: the same bytes as ``ReferenceQuantizer``.
 
@@ -68,4 +88,4 @@ class NativeQuantizer:
         return Fp8Weight(fprop=fprop, dgrad=dgrad)
 
 
-__all__ = ["NativeQuantizer", "quantize_128x128", "quantize_1x128"]
+__all__ = ["NativeQuantizer", "quantize_128x128", "quantize_1x128", "quantize_rows", "rows_scale_layout"]

@@ -125,7 +125,7 @@ class Fp8WeightCache:
 
 FpropGemm = Callable[[Fp8Tensor, Fp8Tensor, torch.dtype], torch.Tensor]
 """``(x [M, K] 1x128 groups, W [N, K] 128x128 blocks, out dtype) -> x·Wᵀ`` [M, N]: another kernel for
-the FProp GEMM (the exact mode's: vLLM's CUTLASS call, ``ops.exact.VllmKernels.fp8_gemm``)."""
+the FProp GEMM (the exact mode's: vLLM's block-FP8 GEMM, ``ops.exact.VllmKernels.fp8_gemm``)."""
 
 WgradInto = Callable[[Fp8Tensor, Fp8Tensor, torch.Tensor], None]
 """``(dyᵀ [N, M], xᵀ [K, M], main [N, K] fp32)``, both operands in 1x128 groups along the tokens M:

@@ -91,8 +91,9 @@ class VllmOptions:
     """``in_place``: the sync writes into vLLM's parameters; ``reload``: vLLM's own loaders."""
     fp8_gemm: Literal["auto", "cutlass", "deep_gemm"] = "auto"
     """vLLM's block-FP8 GEMM on Hopper: ``deep_gemm`` (DeepGEMM), ``cutlass``, or ``auto`` (the
-    default): DeepGEMM, except with ``precision.exact``, whose FProp calls CUTLASS's. Both compute
-    with the trainer's FP8 bytes (GPU-tested). DeepGEMM decodes ~7 % faster (docs/rollout.md); it
+    default): DeepGEMM. Both compute with the trainer's FP8 bytes (GPU-tested); with
+    ``precision.exact`` the trainer's FProp calls the GEMM vLLM runs for each linear
+    (``ops.exact.VllmKernels.fp8_gemm``). DeepGEMM decodes ~7 % faster (docs/rollout.md); it
     JIT-compiles its kernels at the first start on a machine (~3.5 extra minutes for Qwen3-8B) into
     its on-disk cache, which later starts reuse."""
     attention_backend: Literal["auto", "flash_attn", "triton_attn"] = "auto"
@@ -128,11 +129,10 @@ class VllmOptions:
         """``vllm.LLM``'s ``attention_config`` for ``attention_backend`` (None: vLLM picks)."""
         return None if self.attention_backend == "auto" else {"backend": self.attention_backend.upper()}
 
-    def fp8_gemm_for(self, exact: bool) -> Literal["cutlass", "deep_gemm"]:
+    @property
+    def fp8_gemm_kernel(self) -> Literal["cutlass", "deep_gemm"]:
         """The block-FP8 GEMM this engine runs (``fp8_gemm`` with ``auto`` resolved)."""
-        if self.fp8_gemm != "auto":
-            return self.fp8_gemm
-        return "cutlass" if exact else "deep_gemm"
+        return "deep_gemm" if self.fp8_gemm == "auto" else self.fp8_gemm
 
     @property
     def fp8_kv_cache(self) -> bool:

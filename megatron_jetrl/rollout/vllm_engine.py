@@ -133,7 +133,7 @@ def engine_env(recipe: PrecisionRecipe, options: VllmOptions) -> dict[str, str]:
     FP8 GEMM choice."""
     env = dict(recipe.vllm_env)
     if recipe.rollout_fp8:
-        env["VLLM_USE_DEEP_GEMM"] = "1" if options.fp8_gemm_for(recipe.exact) == "deep_gemm" else "0"
+        env["VLLM_USE_DEEP_GEMM"] = "1" if options.fp8_gemm_kernel == "deep_gemm" else "0"
     return env
 
 

@@ -6,8 +6,9 @@ How:
 - ``VLLM_BATCH_INVARIANT=1`` (the launcher sets it, ``PrecisionRecipe.vllm_env``): vLLM's own
   batch-invariant mode. Its BF16 GEMMs (LM head, linears of BF16 layers) run its Triton persistent
   matmul, its log-softmax a Triton kernel, its FlashAttention one KV split; block-FP8 GEMMs keep
-  CUTLASS, which gives every row the same bits whatever the number of rows. The trainer calls
-  these same kernels (``ops.exact.VllmKernels``).
+  the kernel vLLM picks (DeepGEMM by default, ``rollout.vllm.fp8_gemm``), which gives every row the
+  same bits whatever the number of rows. The trainer calls these same kernels
+  (``ops.exact.VllmKernels``).
 - Out-of-tree replacements (``CustomOp.register_oot``, as ``vllm_quant`` does for ``QuantFP8``) for
   the ops vLLM would otherwise compute its own way: ``RMSNorm`` (with its residual add) runs
   ``jetrl::rms_norm`` / ``jetrl::add_rms_norm``, ``SiluAndMul`` runs ``jetrl::silu_mul`` and the
@@ -15,16 +16,19 @@ How:
   CUDA graphs run them as they are.
 - ``llm_kwargs``: FlashAttention as the attention backend, KV-cache pages of ``ops.exact.KV_PAGE``
   tokens (the trainer's paged view uses the same), no prefix caching across weight updates
-  (kept), cascade attention off (vLLM does that itself in this mode).
+  (kept), cascade attention off (vLLM does that itself in this mode); with FP8 linears, the fusion
+  pass (``vllm_fusion.py``) that runs each norm / SiLU·mul and the quantization after it as one
+  kernel, as the default engine fuses them.
 - With an FP8 KV cache, the query's static quantization runs ``jetrl::static_fp8_quant``
   (``vllm_quant.install(exact=True)``); vLLM's cache kernel writes K/V as usual, and the trainer's
   attention calls that same kernel. vLLM schedules at most ``ops.exact.fp8_kv_query_chunk`` new
   tokens of a request per step, which keeps FlashAttention's FP8 kernel on one tile shape
   (``ops.exact.FP8_KV_QUERY_ROWS``); the trainer attends in chunks of as many queries.
 - ``check_engine``: after vLLM built the model, every norm, activation and rotary module must be
-  one of the replacements and every attention layer must run FlashAttention of the trainer's
-  version (with an FP8 KV cache: quantizing its query with the exact op); anything else is an
-  error at engine start, never a silent fallback.
+  one of the replacements, every block-FP8 linear must run the GEMM the trainer's FProp calls for
+  its shape, and every attention layer must run FlashAttention of the trainer's version (with an
+  FP8 KV cache: quantizing its query with the exact op); anything else is an error at engine
+  start, never a silent fallback.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ import torch
 from megatron_jetrl.ops.exact import KV_PAGE, custom_ops, fp8_kv_query_chunk, rope_inv_freq, vllm_kernels
 
 _REPLACED = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
+
+FP8_KERNEL_CLASSES = {"deep_gemm": "DeepGemmFp8BlockScaledMMKernel", "cutlass": "CutlassFp8BlockScaledMMKernel"}
+"""vLLM's block-FP8 linear kernel class for each GEMM ``ops.exact.VllmKernels.fp8_kernel`` names."""
 
 
 def _registry() -> dict:
@@ -146,6 +153,13 @@ def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str
     out = dict(kwargs)
     out["block_size"] = KV_PAGE
     out["attention_config"] = {"backend": "FLASH_ATTN"}
+    if kwargs.get("quantization") and not kwargs.get("enforce_eager"):  # FP8 linears, compiled: fuse their input
+        from megatron_jetrl.rollout.vllm_fusion import fusion_pass
+
+        compilation = dict(kwargs.get("compilation_config") or {})
+        compilation["inductor_compile_config"] = {**compilation.get("inductor_compile_config", {}),
+                                                  "post_grad_custom_post_pass": fusion_pass()}
+        out["compilation_config"] = compilation
     if str(kwargs.get("kv_cache_dtype", "auto")).startswith("fp8"):
         heads = hf_config["num_attention_heads"]
         out["long_prefill_token_threshold"] = fp8_kv_query_chunk(heads, hf_config.get("num_key_value_heads", heads))
@@ -161,6 +175,12 @@ def check_engine(worker: Any) -> dict[str, int]:
                            "trainer calls; export VLLM_USE_V2_MODEL_RUNNER=1 (jetrl train sets it)")
     counts, wrong = replaced_modules(worker.get_model())
     kernels = vllm_kernels()
+    for name, module in counts.pop("fp8_linear_modules"):  # the block-FP8 GEMM the trainer's FProp will call
+        kernel = type(module.quant_method.fp8_linear).__name__
+        want = FP8_KERNEL_CLASSES[kernels.fp8_kernel(module.quant_method.fp8_linear.config.out_dtype,
+                                                     *module.weight.shape)]
+        if kernel != want:
+            wrong.append(f"{name}: block-FP8 GEMM {kernel}; the trainer's exact FProp calls {want}'s")
     for name, attention in counts.pop("attention_modules"):
         impl, got = attention.impl, getattr(attention.impl, "vllm_flash_attn_version", None)
         if type(impl).__name__ != "FlashAttentionImpl" or got != kernels.fa_version:
@@ -187,18 +207,22 @@ def check_engine(worker: Any) -> dict[str, int]:
 
 
 def replaced_modules(model: Any) -> tuple[dict, list[str]]:
-    """Count vLLM's norm, activation, rotary and attention modules, and name every norm, activation
-    or rotary module that is not one of the exact replacements. ``counts["attention_modules"]`` lists
-    (name, attention module) for ``check_engine``."""
+    """Count vLLM's norm, activation, rotary, attention and block-FP8 linear modules, and name every
+    norm, activation or rotary module that is not one of the exact replacements.
+    ``counts["attention_modules"]`` and ``counts["fp8_linear_modules"]`` list (name, module) for
+    ``check_engine``."""
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
     counts: dict = {"norms": 0, "activations": 0, "rotary": 0, "attention": 0, "fp8_kv_attention": 0,
-                    "attention_modules": []}
+                    "fp8_linears": 0, "attention_modules": [], "fp8_linear_modules": []}
     wrong = []
     for name, module in model.named_modules():
         kind = None
+        if getattr(getattr(module, "quant_method", None), "fp8_linear", None) is not None:
+            counts["fp8_linears"] += 1
+            counts["fp8_linear_modules"].append((name, module))
         if type(module).__name__.endswith("RMSNorm"):  # RMSNorm and its siblings (Gemma's, gated, ...)
             kind = "norms"
         elif isinstance(module, SiluAndMul):

@@ -40,41 +40,25 @@ _op: Any = None
 
 def quantize_rows_op() -> Any:
     """``torch.ops.jetrl.quantize_1x128_rows(x [M, K] bf16, pow2_scales, eps, m_align) -> (q [M, K]
-    e4m3, scale_inv [M, K/128] fp32, strides (1, M rounded up to m_align))``: ``ops.quantize_1x128``
+    e4m3, scale_inv [M, K/128] fp32, strides (1, M rounded up to m_align))``: ``ops.quantize_rows``
     as a torch custom op; ``m_align`` 4 gives the TMA-aligned scale layout DeepGEMM reads. The
     aligned copy happens inside the op: traced by torch.compile, ``torch.empty_strided`` of a
     symbolic shape fails (vLLM 0.26.0 + DeepGEMM)."""
     global _op
     if _op is None:
-        from megatron_jetrl.ops.quantize import quantize_1x128
+        from megatron_jetrl.ops.quantize import quantize_rows, rows_scale_layout
 
         @torch.library.custom_op("jetrl::quantize_1x128_rows", mutates_args=())
         def quantize_1x128_rows(x: torch.Tensor, pow2_scales: bool, eps: float,
                                 m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if x.shape[0] == 0:  # an empty batch: nothing to quantize, the layout of a real one
-                return _empty_like_output(x, m_align)
-            row, _ = quantize_1x128(x, rowwise=True, columnwise=False, pow2_scales=pow2_scales, eps=eps)
-            if m_align == 1 or x.shape[0] % m_align == 0:
-                return row.data, row.scale_inv  # column-major: strides (1, M), M already aligned
-            return row.data, _empty_scales(x, m_align).copy_(row.scale_inv)
+            return quantize_rows(x, pow2_scales=pow2_scales, eps=eps, m_align=m_align)
 
         @quantize_1x128_rows.register_fake
         def _(x: torch.Tensor, pow2_scales: bool, eps: float, m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return _empty_like_output(x, m_align)
+            return torch.empty(x.shape, dtype=E4M3, device=x.device), rows_scale_layout(x, m_align)
 
         _op = quantize_1x128_rows
     return _op
-
-
-def _empty_like_output(x: torch.Tensor, m_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty(x.shape, dtype=E4M3, device=x.device), _empty_scales(x, m_align)
-
-
-def _empty_scales(x: torch.Tensor, m_align: int) -> torch.Tensor:
-    """[M, K/128] fp32, column-major with M rounded up to ``m_align`` as the column stride."""
-    m, k = x.shape
-    stride = max((m + m_align - 1) // m_align * m_align, 1)
-    return torch.empty_strided((m, k // GROUP), (1, stride), dtype=torch.float32, device=x.device)
 
 
 def _registry() -> dict:

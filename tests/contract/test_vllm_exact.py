@@ -143,3 +143,18 @@ def test_with_an_fp8_kv_cache_vllm_schedules_the_trainers_query_chunks(tmp_path)
                                                                                 hf.num_key_value_heads)
     bf16_cache = cpu_vllm_config(model_dir, PrecisionRecipe(exact=True))
     assert bf16_cache.scheduler_config.long_prefill_token_threshold == 0
+
+
+def test_an_exact_fp8_engine_compiles_with_the_fusion_pass(tmp_path):
+    """vLLM takes the pass as its ``post_grad_custom_post_pass`` (an ``InductorPass``), and its compile
+    cache key stays the same from one engine start to the next (the pass's uuid, not its address)."""
+    from vllm.compilation.passes.inductor_pass import InductorPass
+
+    model_dir = write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt")
+    configs = [cpu_vllm_config(model_dir, PrecisionRecipe(exact=True)) for _ in range(2)]
+    fusion = [c.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass") for c in configs]
+    assert all(isinstance(f, InductorPass) for f in fusion) and fusion[0] is not fusion[1]
+    assert fusion[0].uuid() == fusion[1].uuid()
+    assert configs[0].compilation_config.compute_hash() == configs[1].compilation_config.compute_hash()
+    bf16 = cpu_vllm_config(model_dir, PrecisionRecipe(mode=PrecisionMode.BF16, exact=True))
+    assert "post_grad_custom_post_pass" not in bf16.compilation_config.inductor_compile_config  # no quantization

@@ -25,7 +25,7 @@ from megatron_jetrl.config import ConfigError  # noqa: E402
 from megatron_jetrl.job import load_job  # noqa: E402
 from megatron_jetrl.job.config import check_exact_model, resolve  # noqa: E402
 from megatron_jetrl.models import bridge_for  # noqa: E402
-from megatron_jetrl.ops.exact import (custom_ops, paged_kv, rope, rope_inv_freq, rope_reference, silu_mul,  # noqa: E402
+from megatron_jetrl.ops.exact import (VllmKernels, custom_ops, paged_kv, rope, rope_inv_freq, rope_reference, silu_mul,  # noqa: E402
                                       static_fp8_quant)
 from megatron_jetrl.ops.extension import load_extension  # noqa: E402
 from megatron_jetrl.ops.rms_norm import rms_norm_reference  # noqa: E402
@@ -257,7 +257,6 @@ def test_an_exact_job_loads_and_round_trips():
     ("actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size"),
     ("rollout.vllm.tensor_parallel_size=2", "rollout.vllm.tensor_parallel_size"),
     ("actor.parallel.pp=2", "actor.parallel.pp"),
-    ("rollout.vllm.fp8_gemm=deep_gemm", "rollout.vllm.fp8_gemm"),
     ("rollout.vllm.activation_quant=vllm", "rollout.vllm.activation_quant"),
     ("rollout.vllm.attention_backend=triton_attn", "rollout.vllm.attention_backend"),
     ("algo.correction.mode=token_tis", "algo.correction.mode"),
@@ -266,6 +265,14 @@ def test_layouts_that_cannot_be_exact_are_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_job("examples/configs/tiny_countdown.yaml", [*EXACT, *override.split()])
     assert e.value.key == key and "precision.exact" in str(e.value)
+
+
+@pytest.mark.parametrize("gemm", ["auto", "deep_gemm", "cutlass"])
+def test_every_block_fp8_gemm_is_an_exact_layout(gemm):
+    """The trainer's exact FProp calls whichever GEMM vLLM runs for each linear (``VllmKernels.fp8_gemm``),
+    so every ``rollout.vllm.fp8_gemm`` is exact; ``auto`` is DeepGEMM, as in the default rollout."""
+    job = load_job("examples/configs/tiny_countdown.yaml", [*EXACT, f"rollout.vllm.fp8_gemm={gemm}"])
+    assert job.rollout.vllm.fp8_gemm_kernel == ("cutlass" if gemm == "cutlass" else "deep_gemm")
 
 
 def test_equal_tp_2_and_an_fp8_kv_cache_are_exact_layouts():
@@ -479,3 +486,67 @@ def test_the_fp8_kv_attention_backward_is_taken_at_the_values_the_cache_holds():
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         want = torch.autograd.grad(attention(qg, kg, vg, None, 6, 0.1), (qg, kg, vg), dout)
     assert all(torch.equal(a, b) for a, b in zip(plain[:3], want, strict=True))
+
+
+def _kernels(deep_gemm, calls: list) -> VllmKernels:
+    """``VllmKernels`` whose two block-FP8 GEMMs record their arguments (CPU stand-ins: the real
+    ones are CUDA kernels, tests/gpu/test_exact_kernels.py)."""
+    def cutlass(a, b_t, *, scale_a, scale_b, out_dtype):
+        calls.append(("cutlass", a, b_t, scale_a, scale_b))
+        return torch.zeros(a.shape[0], b_t.shape[1], dtype=out_dtype)
+
+    def dg(a_pair, b_pair, out, *, is_deep_gemm_e8m0_used):
+        calls.append(("deep_gemm", *a_pair, *b_pair, is_deep_gemm_e8m0_used))
+        out.fill_(1.0)
+
+    return VllmKernels(bf16_gemm=None, cutlass_scaled_mm=cutlass, deep_gemm=dg if deep_gemm else None,
+                       deep_gemm_takes=lambda dtype, shape: dtype == torch.bfloat16 and shape[0] % 64 == 0,
+                       flash_attn_varlen_func=None, fa_version=3, descale_query=True, token_logprobs=None,
+                       reshape_and_cache_flash=None)
+
+
+def test_the_exact_fprop_calls_the_gemm_vllm_runs_for_each_linear():
+    """DeepGEMM where vLLM runs it (and its rule takes the shape), with the activation's 1x128 scales
+    column-major and fp32 weight scales (no power-of-two cast); CUTLASS otherwise, as vLLM falls back."""
+    from megatron_jetrl.precision import Fp8Tensor
+
+    a = Fp8Tensor(torch.zeros(3, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 3).t(), (1, 128))  # strides (1, 3)
+    w = Fp8Tensor(torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 2), (128, 128))
+    odd = Fp8Tensor(torch.zeros(96, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 2), (128, 128))
+    calls: list = []
+    kernels = _kernels(True, calls)
+    assert kernels.fp8_kernel(torch.bfloat16, 128, 256) == "deep_gemm"
+    out = kernels.fp8_gemm(a, w, torch.bfloat16)
+    assert out.shape == (3, 128) and out.dtype == torch.bfloat16 and bool((out == 1).all())
+    kind, q, sa, wq, ws, e8m0 = calls[-1]
+    assert kind == "deep_gemm" and q is a.data and wq is w.data and ws is w.scale_inv and e8m0 is False
+    assert sa.stride() == (1, 3) and torch.equal(sa, a.scale_inv)
+    assert kernels.fp8_kernel(torch.bfloat16, 96, 256) == "cutlass"  # vLLM's rule: N a multiple of 64
+    kernels.fp8_gemm(a, odd, torch.bfloat16)
+    assert calls[-1][0] == "cutlass" and calls[-1][2].shape == (256, 96)
+    off: list = []
+    assert _kernels(False, off).fp8_kernel(torch.bfloat16, 128, 256) == "cutlass"  # VLLM_USE_DEEP_GEMM=0
+    _kernels(False, off).fp8_gemm(a, w, torch.bfloat16)
+    assert off[-1][0] == "cutlass"
+
+
+@pytest.mark.parametrize("pow2, m_align", [(False, 4), (True, 1)])
+def test_the_fused_quantizing_ops_are_the_two_ops_in_turn(pow2, m_align):
+    """``rms_norm_quant`` / ``silu_mul_quant`` (off CUDA: the two kernels in turn) equal their eager torch
+    references: codes, scales and the scales' layout (the GPU kernels against both: tests/gpu/test_exact_kernels.py)."""
+    from megatron_jetrl.ops.exact import (rms_norm_quant, rms_norm_quant_reference, silu_mul_quant,
+                                          silu_mul_quant_reference)
+
+    g = torch.Generator().manual_seed(7)
+    x, r = ((torch.randn(9, 384, generator=g) * 5).to(torch.bfloat16) for _ in range(2))
+    w = (torch.rand(384, generator=g) + 0.5).to(torch.bfloat16)
+    options = dict(pow2_scales=pow2, quant_eps=0.0, m_align=m_align)
+    for residual in (None, r):
+        got, want = rms_norm_quant(x, w, 1e-6, residual, **options), rms_norm_quant_reference(x, w, 1e-6, residual,
+                                                                                              **options)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1]) and got[1].stride() == want[1].stride() == (1, -(-9 // m_align) * m_align)
+        assert (got[2] is None and want[2] is None) if residual is None else torch.equal(got[2], want[2])
+    gu = (torch.randn(9, 2 * 256, generator=g) * 4).to(torch.bfloat16)
+    got, want = silu_mul_quant(gu, **options), silu_mul_quant_reference(gu, **options)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])

@@ -51,12 +51,12 @@ def test_engine_environment_names_the_fp8_gemm():
     assert engine_env(PrecisionRecipe(), VllmOptions(fp8_gemm="deep_gemm"))["VLLM_USE_DEEP_GEMM"] == "1"
 
 
-def test_auto_fp8_gemm_is_deep_gemm_except_for_the_exact_rollout():
+def test_auto_fp8_gemm_is_deep_gemm_also_for_the_exact_rollout():
     exact = PrecisionRecipe(exact=True)
-    assert VllmOptions().fp8_gemm_for(exact=False) == "deep_gemm"
-    assert VllmOptions().fp8_gemm_for(exact=True) == "cutlass"
-    assert engine_env(exact, VllmOptions())["VLLM_USE_DEEP_GEMM"] == "0"
-    assert VllmOptions(fp8_gemm="cutlass").fp8_gemm_for(exact=False) == "cutlass"
+    assert VllmOptions().fp8_gemm_kernel == "deep_gemm"
+    assert engine_env(exact, VllmOptions())["VLLM_USE_DEEP_GEMM"] == "1"
+    assert engine_env(exact, VllmOptions(fp8_gemm="cutlass"))["VLLM_USE_DEEP_GEMM"] == "0"
+    assert VllmOptions(fp8_gemm="cutlass").fp8_gemm_kernel == "cutlass"
     assert engine_env(PrecisionRecipe(mode=PrecisionMode.BF16), VllmOptions()) == {}
 
 
