@@ -80,6 +80,13 @@ MODES = {"bf16": ("bf16", "native", "gemm", "torch"), "fp8": ("fp8", "native", "
          "fp8-te": ("fp8", "te", "gemm", "torch"), "bf16-te": ("bf16", "te", "gemm", "torch"),
          "fp8-dgw": ("fp8", "native", "deep_gemm", "torch"),
          "bf16-ta": ("bf16", "native", "gemm", "te"), "fp8-ta": ("fp8", "native", "gemm", "te")}
+EXACT_MODES = {"fp8-exact": "fp8", "bf16-exact": "bf16"}
+"""--modes with ``precision.exact``: the native layers of that mode computing their forward with the kernels
+vLLM's exact engine runs (``ops/exact.py``). As in an RL job, the process is in vLLM's batch-invariant mode
+(``init_batch_invariance``, which vLLM's worker calls in a job; process-wide: cuBLAS without split-K, vLLM's
+softmax / mean / bmm kernels), so exact modes run after all others."""
+MODES.update({name: MODES[base] for name, base in EXACT_MODES.items()})
+
 """--modes: name -> (precision.mode, actor.fp8_backend, actor.fp8_wgrad, actor.attention_impl). fp8-dgw is
 the native FP8 step with DeepGEMM's WGrad accumulating into the fp32 main grads. fp8-te is Transformer
 Engine's layer spec; TE must be imported with the recipe's environment: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
@@ -97,6 +104,8 @@ RATIOS = {  # headline key -> (baseline mode, measured mode, timings)
     "actor_step_fp8_deep_gemm_wgrad_over_bf16": ("bf16", "fp8-dgw", "step_s_all"),
     "actor_step_fp8_over_bf16_te_attention": ("bf16-ta", "fp8-ta", "step_s_all"),
     "actor_step_te_fp8_over_fp8_te_attention": ("fp8-ta", "fp8-te", "step_s_all"),
+    "actor_step_exact_fp8_over_fp8": ("fp8", "fp8-exact", "step_s_all"),
+    "actor_step_exact_bf16_over_bf16": ("bf16", "bf16-exact", "step_s_all"),
 }
 """The speed-ups the benchmark reports: median baseline time / median measured time (> 1: the
 measured mode is faster), spread over the paired repeats (``Figure.ratio``)."""
@@ -113,10 +122,29 @@ def actor_settings(mode: str, args) -> ActorSettings:
     precision, backend, wgrad, attention = MODES[mode]
     return ActorSettings(
         parallel=ParallelLayout(tp=args.tp, sequence_parallel=args.tp > 1),
-        precision=PrecisionRecipe(mode=precision), max_tokens_per_microbatch=args.mb_tokens,
+        precision=PrecisionRecipe(mode=precision, exact=mode in EXACT_MODES), max_tokens_per_microbatch=args.mb_tokens,
         optimizer=OptimizerSettings(lr=1e-6), fp8_backend=backend, fp8_wgrad=wgrad, logprob_impl=args.logprob_impl,
         elementwise_impl=args.elementwise_impl, attention_impl=attention,
     )
+
+
+def enter_exact_process(recipe: PrecisionRecipe) -> None:
+    """Put this process where an exact job's trainer runs: vLLM's environment for the recipe (the
+    launcher's ``engine_env``) and vLLM's batch-invariant mode, as vLLM's worker enters it at engine start."""
+    import importlib
+
+    from megatron_jetrl.ops.exact import BATCH_INVARIANT_MODULES
+    from megatron_jetrl.rollout.vllm_engine import VllmOptions, engine_env
+
+    os.environ.update(engine_env(recipe, VllmOptions()))
+    for name in BATCH_INVARIANT_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        module.init_batch_invariance()
+        return
+    raise SystemExit("bench_actor_step: the exact modes need vLLM (its batch-invariant kernels)")
 
 
 def run_mode(mode: str, args, bridge) -> dict:
@@ -274,6 +302,10 @@ def main() -> int:
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         raise SystemExit(f"bench_actor_step: --modes {','.join(unknown)}: choose from {', '.join(MODES)}")
+    modes = args.modes.split(",")
+    if any(m in EXACT_MODES for m in modes) and modes != sorted(modes, key=lambda m: m in EXACT_MODES):
+        raise SystemExit(f"bench_actor_step: --modes {args.modes}: the exact modes ({', '.join(EXACT_MODES)}) turn "
+                         "the process batch-invariant for good: list them after the others")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not args.skip_memory_check:
         check_memory(args, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30)
@@ -283,6 +315,8 @@ def main() -> int:
     name = torch.cuda.get_device_name()
     rows = []
     for m in args.modes.split(","):
+        if m in EXACT_MODES:
+            enter_exact_process(actor_settings(m, args).precision)
         rows.append(run_mode(m, args, bridge))
         if args.json and dist.get_rank() == 0:  # after every mode: a run cut off keeps the modes it finished
             write_json(args, name, rows, complete=len(rows) == len(args.modes.split(",")))
@@ -292,9 +326,9 @@ def main() -> int:
               f"{dist.get_world_size()} x {name}, {args.seqs} x {args.seq_len} tokens/step, "
               f"micro-batch {args.mb_tokens} tokens, logprob_impl {args.logprob_impl}, "
               f"elementwise_impl {args.elementwise_impl}")
-        print(f"{'mode':7} {'step s':>8} {'tok/s/GPU':>10} {'logprob s':>10} {'tok/s/GPU':>10} {'peak GiB':>9}")
+        print(f"{'mode':10} {'step s':>8} {'tok/s/GPU':>10} {'logprob s':>10} {'tok/s/GPU':>10} {'peak GiB':>9}")
         for r in rows:
-            print(f"{r['mode']:7} {r['step_s']:8.3f} {r['step_tok_s_gpu']:10.0f} {r['logprob_s']:10.3f} "
+            print(f"{r['mode']:10} {r['step_s']:8.3f} {r['step_tok_s_gpu']:10.0f} {r['logprob_s']:10.3f} "
                   f"{r['logprob_tok_s_gpu']:10.0f} {r['peak_gib']:9.1f}")
         for what, key in (("one step", "profile_ms"), ("one logprob pass", "logprob_profile_ms")):
             for r in rows:
@@ -305,9 +339,9 @@ def main() -> int:
                     print(f"kernel time of {what}, {r['mode']}: {total:.0f} ms = {split}")
         for r in rows:
             for kernel, ms in list((r["top_kernels_ms"] or {}).items())[:12]:
-                print(f"  {r['mode']:7} {ms:8.1f} ms  {kernel}")
+                print(f"  {r['mode']:10} {ms:8.1f} ms  {kernel}")
             for op, ms in list((r["top_ops_ms"] or {}).items())[:15]:
-                print(f"  {r['mode']:7} {ms:8.1f} ms  {op} (its own kernels)")
+                print(f"  {r['mode']:10} {ms:8.1f} ms  {op} (its own kernels)")
         for r in rows:
             if r["host_syncs"] is not None:
                 print(f"host synchronizations in one step, {r['mode']}: {sum(r['host_syncs'].values())}")

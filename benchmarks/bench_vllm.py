@@ -365,7 +365,8 @@ def run_child(kind: str, args, extra: list[str], *, name: str | None = None, gpu
         print("\n".join(log.read_text(errors="replace").splitlines()[-40:]), flush=True)
     if not out.is_file():
         return None
-    result = {**json.loads(out.read_text()), "command": command_line("benchmarks.bench_vllm")}
+    result = {**json.loads(out.read_text()), "command": command_line("benchmarks.bench_vllm"),
+              "invocation": args.invocation}
     out.write_text(json.dumps(result, indent=1))  # the cases that finished, when cut off
     return result
 
@@ -395,6 +396,10 @@ STEP_MODES = {  # name -> jetrl train overrides
     "fp8kv-ta": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8", "actor.attention_impl=te"],
 }
 
+
+STEP_HEADLINE = {"fp8": "rl_step_vllm_fp8_over_bf16", "fp8kv": "rl_step_vllm_fp8kv_over_bf16",
+                 "fp8-exact": "rl_step_exact_fp8_over_bf16", "fp8kv-exact": "rl_step_exact_fp8kv_over_bf16"}
+"""The step modes whose time over BF16's (with its recompute pass) is a headline figure."""
 
 STEP_BASELINES = {"fp8-ta": "bf16-ta", "fp8kv-ta": "bf16-ta"}
 """Step modes compared with another BF16 run than ``bf16``: the trainer attending with Transformer
@@ -558,8 +563,8 @@ def table(args) -> str:
             ratios = {p: Figure.ratio(timed[base][p], timed[mode][p]) for p in phases}
             lines.append(f"{base + '/' + mode:>17} " + " ".join(f"{ratios[p].value:>8.2f}x" for p in phases)
                          + f" {ratios['step'].spread[0]:>6.2f}x-{ratios['step'].spread[1]:.2f}x")
-            if equal_work and mode in ("fp8", "fp8kv"):  # the product's two FP8 rollouts (weights; + KV cache)
-                headline[f"rl_step_vllm_{mode}_over_bf16"] = (ratios["step"], step[mode])
+            if equal_work and base == "bf16" and mode in STEP_HEADLINE:  # the product's FP8 rollouts over BF16
+                headline[STEP_HEADLINE[mode]] = (ratios["step"], step[mode])
                 if mode == "fp8":
                     headline["rl_generate_fp8_over_bf16"] = (ratios["generate"], step[mode])
         if "fp8" in step and "fp8-exact" in step:
@@ -588,25 +593,33 @@ def table(args) -> str:
 
 HEADLINE_LAYERS = 36
 """The decoder layers of the decode headline keys (Qwen3-8B's)."""
-EXACT_CASE = "128x2048"
-"""The decode case of ``vllm_exact_decode_over_default``."""
+EXACT_CASES = {"128x2048": "", "256x4096": "_256x4096"}
+"""The decode cases of the exact-over-default keys, and each one's key suffix."""
+EXACT_PAIRS = {"vllm_exact_decode_over_default": ("fp8-exact", "fp8"),
+               "vllm_exact_fp8kv_decode_over_default": ("fp8kv-exact", "fp8kv")}
+"""Exact decode over the engine's default, each on DeepGEMM (the default GEMM): key -> (exact mode,
+default mode)."""
 LEGACY_COMMAND = "python -m benchmarks.bench_vllm (its arguments were not recorded with this result)"
 
 
 def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Figure, dict]]:
     """The decode results' headline figures (key -> (figure, the result it came from)): FP8 and FP8 KV
-    over BF16 at ``target`` with the engine's default GEMM, exact over default FP8 at ``EXACT_CASE``, and
-    the engine start (warm when measured)."""
+    over BF16 at ``target`` with the engine's default GEMM, exact over default FP8 (and with an FP8 KV
+    cache) at ``EXACT_CASES``, both on DeepGEMM and from one invocation of the benchmark (the same
+    device, back to back), and the engine start (warm when measured)."""
     out = {}
     if "bf16" in decode and target in decode["bf16"]["cases"]:
         for m in ("fp8-deep_gemm", "fp8kv-deep_gemm"):  # the engine's default GEMM; CUTLASS: the table only
             if m in decode and target in decode[m]["cases"]:
                 out[f"vllm_decode_{m.replace('-', '_')}_over_bf16"] = (
                     Figure.ratio(_tok_s(decode[m], target), _tok_s(decode["bf16"], target)), decode[m])
-    if all(m in decode and EXACT_CASE in decode[m]["cases"] for m in ("fp8", "fp8-exact")):
-        out["vllm_exact_decode_over_default"] = (
-            Figure.ratio(_tok_s(decode["fp8-exact"], EXACT_CASE), _tok_s(decode["fp8"], EXACT_CASE)),
-            decode["fp8-exact"])
+    for key, (exact, default) in EXACT_PAIRS.items():
+        e, d = decode.get(f"{exact}-deep_gemm"), decode.get(f"{default}-deep_gemm")
+        if e is None or d is None or e.get("invocation") is None or e.get("invocation") != d.get("invocation"):
+            continue
+        for case, suffix in EXACT_CASES.items():
+            if case in e["cases"] and case in d["cases"]:
+                out[key + suffix] = (Figure.ratio(_tok_s(e, case), _tok_s(d, case)), e)
     default = next((decode[m] for m in ("fp8-deep_gemm", "fp8") if m in decode), None)  # the engine's GEMM first
     if default is not None:  # warm (decode --warm-start, in the figure's command) when measured, else the first
         starts = default.get("engine_start_warm_s_all") or [default.get("engine_start_warm_s",
@@ -654,8 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step: rollout.offload_actor=true (the actor waits in host memory while vLLM generates)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--fp8-gemm", default="auto", choices=["auto", "cutlass", "deep_gemm"],
-                   help="vLLM's block-FP8 GEMM (rollout.vllm.fp8_gemm); auto: the engine's default, DeepGEMM "
-                        "(CUTLASS in an exact mode). A DeepGEMM mode's results are named MODE-deep_gemm")
+                   help="vLLM's block-FP8 GEMM (rollout.vllm.fp8_gemm); auto: the engine's default, DeepGEMM. "
+                        "A DeepGEMM mode's results are named MODE-deep_gemm")
     p.add_argument("--bucket-mb", type=float, default=1024)
     p.add_argument("--train-tp", type=int, default=1, help="sync: the trainer's TP (GPUs: max of the two TPs)")
     p.add_argument("--rollout-tp", type=int, default=1, help="sync: vLLM's TP")
@@ -680,6 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    args.invocation = f"{os.uname().nodename}:{os.getpid()}:{time.time():.0f}"
+    """This run of the benchmark: its decode results carry it, and only results of one run are paired."""
     Path(args.work).mkdir(parents=True, exist_ok=True)
     if args.command == "_child":
         kind, value = args.rest

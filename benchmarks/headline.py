@@ -49,6 +49,9 @@ KEYS = {  # key -> (what it is, target or "")
                                               "Engine's (cuDNN) attention in both", ""),
     "actor_step_te_fp8_over_fp8_te_attention": ("actor step with Transformer Engine's FP8 layers over the native "
                                                 "FP8 ones with TE's attention (the same attention kernels)", ""),
+    "actor_step_exact_fp8_over_fp8": ("actor step, exact FP8 (precision.exact, vLLM's batch-invariant mode) over "
+                                      "default FP8: default time / exact time", "≥ 0.95×"),
+    "actor_step_exact_bf16_over_bf16": ("actor step, exact BF16 over BF16: default time / exact time", ""),
     "logprob_fp8_over_bf16": ("logprob pass of the actor, FP8 over BF16", ""),
     "vllm_decode_fp8_deep_gemm_over_bf16": ("vLLM decode tok/s, FP8 with DeepGEMM (the engine's default GEMM) over "
                                             "BF16, Qwen3-8B × 36, 256 × 4,096", ""),
@@ -65,10 +68,17 @@ KEYS = {  # key -> (what it is, target or "")
     "vllm_k3_mixed_8b6": ("the same, BF16-train + FP8-rollout (the off-policy recipe)", ""),
     "vllm_k3_bf16_8b6": ("the same, BF16", ""),
     "vllm_exact_max_abs_dlogp": ("largest engine-vs-trainer abs(Δlogp) with precision.exact", "0"),
-    "vllm_exact_decode_over_default": ("vLLM decode tok/s, exact FP8 over default FP8, Qwen3-8B × 36, 128 × 2,048",
-                                       "≥ 0.9×"),
-    "rl_step_exact_over_default": ("whole RL step, default FP8 time over exact FP8 time (no recompute), as above",
-                                   "> 1×"),
+    "vllm_exact_decode_over_default": ("vLLM decode tok/s, exact FP8 over the engine's default FP8, both on "
+                                       "DeepGEMM (the default GEMM), one run, Qwen3-8B × 36, 128 × 2,048", "≥ 0.95×"),
+    "vllm_exact_decode_over_default_256x4096": ("the same at 256 × 4,096", "≥ 0.95×"),
+    "vllm_exact_fp8kv_decode_over_default": ("vLLM decode tok/s with an FP8 KV cache, exact over default, both on "
+                                             "DeepGEMM, one run, Qwen3-8B × 36, 128 × 2,048", ""),
+    "vllm_exact_fp8kv_decode_over_default_256x4096": ("the same at 256 × 4,096", ""),
+    "rl_step_exact_over_default": ("whole RL step, default FP8 time over exact FP8 time (no recompute), both on "
+                                   "DeepGEMM, as above", "≥ 1.1×"),
+    "rl_step_exact_fp8_over_bf16": ("whole RL step, exact FP8 over BF16 (BF16 as users run it, with its recompute), "
+                                    "8B widths × the command's --step-layers (16 for the target)", "≥ 1.5×"),
+    "rl_step_exact_fp8kv_over_bf16": ("the same, exact FP8 with an FP8 KV cache over BF16", "≥ 1.6×"),
     "rl_step_8b_full_fp8_over_bf16": ("whole RL step, Qwen3-8B at full size (36 layers) on every GPU of the device, "
                                       "FP8 over BF16 (layout: the command's)", "≥ 1.3×"),
     "rl_step_8b_full_tokens_per_s_per_gpu": ("that FP8 step's tokens/s/GPU (NeMo-RL: 3,052, Llama-3.1-8B, 16 × H100)",

@@ -375,12 +375,15 @@ def test_actor_step_speedups_are_written_only_for_modes_that_ran(tmp_path):
     rows = {"bf16": row([2.0, 2.2, 2.1], [1.0] * 3), "fp8": row([1.6, 2.0, 1.4], [0.8] * 3),
             "fp8-te": row([1.5, 1.6, 1.4], [0.7] * 3), "bf16-te": row([1.8, 1.8, 1.8], [0.9] * 3),
             "fp8-dgw": row([1.5, 1.8, 1.3], [0.8] * 3), "bf16-ta": row([1.9, 2.0, 1.9], [0.95] * 3),
-            "fp8-ta": row([1.55, 1.6, 1.5], [0.75] * 3)}
+            "fp8-ta": row([1.55, 1.6, 1.5], [0.75] * 3), "fp8-exact": row([1.7, 2.1, 1.5], [0.9] * 3),
+            "bf16-exact": row([2.2, 2.3, 2.2], [1.1] * 3)}
     figs = speedups(rows)
     assert set(figs) == set(RATIOS)
     assert figs["actor_step_fp8_over_bf16_te_attention"].value == pytest.approx(1.9 / 1.55)
     assert figs["actor_step_te_fp8_over_fp8_te_attention"].value == pytest.approx(1.55 / 1.5)
     assert figs["actor_step_fp8_deep_gemm_wgrad_over_bf16"].value == pytest.approx(2.1 / 1.5)
+    assert figs["actor_step_exact_fp8_over_fp8"].value == pytest.approx(1.6 / 1.7)  # < 1: the exact step is slower
+    assert MODES["fp8-exact"] == MODES["fp8"] and MODES["bf16-exact"] == MODES["bf16"]
     te_over_fp8 = figs["actor_step_te_fp8_over_fp8"]  # native FP8 time / TE FP8 time
     assert te_over_fp8.value == pytest.approx(1.6 / 1.5) and te_over_fp8.repeats == 3
     assert te_over_fp8.spread == pytest.approx((1.4 / 1.4, 2.0 / 1.6))
@@ -636,3 +639,40 @@ def test_the_full_8b_script_refuses_bad_rounds_before_it_starts(tmp_path, rounds
     assert done.returncode == 1
     assert done.stdout.startswith(f"ROUNDS={rounds}: give a whole number >= 1")
     assert not (tmp_path / "out").exists()
+
+
+def test_exact_decode_is_paired_with_the_default_engine_of_the_same_run():
+    """vllm_exact_decode_over_default (and _256x4096, and the FP8-KV pair): exact over default, both on
+    DeepGEMM (the engine's default GEMM) and from one invocation of the benchmark; a default result of
+    another run, or a CUTLASS one, gives no figure."""
+    def result(mode, tok_s, invocation):
+        return {**_decode(mode, tok_s), "fp8_gemm": "deep_gemm", "invocation": invocation}
+
+    cases = {"128x2048": 1000.0, "256x4096": 800.0}
+    decode = {"fp8-deep_gemm": result("fp8", cases, "run a"),
+              "fp8-exact-deep_gemm": result("fp8-exact", {"128x2048": 950.0, "256x4096": 780.0}, "run a"),
+              "fp8kv-deep_gemm": result("fp8kv", cases, "run b"),
+              "fp8kv-exact-deep_gemm": result("fp8kv-exact", cases, "run c"),  # another run: not paired
+              "fp8-exact": {**_decode("fp8-exact", {"128x2048": 10.0}), "invocation": "run a"}}  # CUTLASS: not paired
+    out = bench_vllm.decode_headline(decode, "256x4096")
+    assert out["vllm_exact_decode_over_default"][0].value == pytest.approx(0.95)
+    assert out["vllm_exact_decode_over_default_256x4096"][0].value == pytest.approx(780.0 / 800.0)
+    assert not any(k.startswith("vllm_exact_fp8kv") for k in out)
+    decode["fp8kv-exact-deep_gemm"]["invocation"] = "run b"
+    assert bench_vllm.decode_headline(decode, "256x4096")["vllm_exact_fp8kv_decode_over_default"][0].value == 1.0
+    assert all(k in KEYS for k in bench_vllm.decode_headline(decode, "256x4096"))
+
+
+def test_the_exact_steps_over_bf16_are_headline_figures(tmp_path):
+    def run(step_s):
+        phases = {"generate": [2.0] * 3, "logprobs": [1.0] * 3, "update": [1.0] * 3, "sync": [0.1] * 3,
+                  "step": [step_s] * 3}
+        return {"seconds_per_step": phases, "tokens_per_timed_step": [4096.0] * 3}
+
+    runs = {"bf16": run(6.0), "fp8": run(5.0), "fp8-exact": run(4.0), "fp8kv-exact": run(3.75)}
+    (tmp_path / "step.json").write_text(json.dumps(runs))
+    headline = tmp_path / "headline.json"
+    _table(tmp_path, headline)
+    data = json.loads(headline.read_text())
+    assert data["rl_step_exact_fp8_over_bf16"]["value"] == 1.5 and data["rl_step_exact_fp8kv_over_bf16"]["value"] == 1.6
+    assert data["rl_step_exact_over_default"]["value"] == 1.25 and data["rl_step_vllm_fp8_over_bf16"]["value"] == 1.2
