@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(residual add +) batch-invariant RMSNorm + 1x128 FP8 quantization in one launch (CUDA)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("pow2_scales"), py::arg("quant_eps"),
         py::arg("m_align"));
+  m.def("qk_norm_rope", &jetrl::qk_norm_rope, "the exact forward's q/k norms + rotary embedding in one launch (CUDA)",
+        py::arg("q"), py::arg("k"), py::arg("wq"), py::arg("wk"), py::arg("eps_q"), py::arg("eps_k"),
+        py::arg("positions"), py::arg("inv_freq"));
   m.def("silu_mul_quant", &jetrl::silu_mul_quant, "SiLU(gate) * up + 1x128 FP8 quantization in one launch (CUDA)",
         py::arg("x"), py::arg("pow2_scales"), py::arg("quant_eps"), py::arg("m_align"));
   m.def("silu_mul", &jetrl::silu_mul, "SiLU(gate) * up of the exact forward, torch's rounding (CUDA)", py::arg("x"));

@@ -190,6 +190,67 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& 
   return {q, s, total};
 }
 
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& wq,
+                                                const at::Tensor& wk, double eps_q, double eps_k,
+                                                const at::Tensor& positions, const at::Tensor& inv_freq) {
+  TORCH_CHECK(inv_freq.defined() && inv_freq.dim() == 1 && inv_freq.scalar_type() == at::kFloat &&
+              inv_freq.is_contiguous(), "qk_norm_rope: inv_freq must be a contiguous 1-D float32 tensor [D / 2]");
+  const int64_t D = 2 * inv_freq.size(0);
+  TORCH_CHECK(D > 0 && D % kNormLanes == 0 && D <= 512, "qk_norm_rope: the head dim D = 2 * len(inv_freq) must be a "
+              "multiple of ", std::to_string(kNormLanes), " up to 512; got ", std::to_string(D));
+  for (const auto& [x, w, eps, name] : {std::make_tuple(q, wq, eps_q, "q"), std::make_tuple(k, wk, eps_k, "k")}) {
+    TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(1) > 0 && x.size(1) % D == 0, "qk_norm_rope: ", name,
+                " must be 2-D [T, heads * ", std::to_string(D), "]; got ",
+                x.defined() ? dims(x.sizes()) : std::string("undefined"));
+    TORCH_CHECK(float_dtype(x.scalar_type()), "qk_norm_rope: ", name, " must be bfloat16, float16 or float32; got ",
+                x.scalar_type());
+    TORCH_CHECK(x.stride(1) == 1, "qk_norm_rope: ", name, "'s last dim must be contiguous (stride 1); got strides ",
+                dims(x.strides()));
+    TORCH_CHECK(w.defined() && w.dim() == 1 && w.size(0) == D && w.scalar_type() == x.scalar_type() &&
+                w.is_contiguous() && w.device() == x.device(), "qk_norm_rope: ", name, "'s norm weight must be a "
+                "contiguous [", std::to_string(D), "] of ", name, "'s dtype on its device");
+    TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "qk_norm_rope: eps must be a finite number >= 0; got ",
+                std::to_string(eps));
+  }
+#ifndef JETRL_WITH_CUDA
+  TORCH_CHECK(!q.is_cuda(), "qk_norm_rope: megatron_jetrl._C was built without CUDA kernels; rebuild on a machine "
+              "with nvcc and a CUDA build of torch: pip install --no-build-isolation -e .");
+#endif
+  TORCH_CHECK(q.is_cuda(), "qk_norm_rope: the fused kernel runs on CUDA; q is on ", q.device().str(),
+              " (ops.exact.qk_norm_rope norms, then rotates, elsewhere)");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.scalar_type() == q.scalar_type() && k.device() == q.device(),
+              "qk_norm_rope: k must have q's tokens, dtype and device; got ", dims(k.sizes()), " ", k.scalar_type());
+  TORCH_CHECK(positions.defined() && positions.dim() == 1 && positions.size(0) == q.size(0) &&
+              positions.scalar_type() == at::kLong && positions.is_contiguous(), "qk_norm_rope: positions must be "
+              "contiguous int64 [T] = [", std::to_string(q.size(0)), "]");
+  TORCH_CHECK(positions.device() == q.device() && inv_freq.device() == q.device(),
+              "qk_norm_rope: positions and inv_freq must be on q's device ", q.device().str());
+  const auto contiguous = q.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor yq = at::empty(q.sizes(), contiguous), yk = at::empty(k.sizes(), contiguous);
+  if (q.size(0) == 0) return {yq, yk};
+#ifdef JETRL_WITH_CUDA
+  QkNormRopeArgs args;
+  args.q = q.data_ptr();
+  args.k = k.data_ptr();
+  args.wq = wq.data_ptr();
+  args.wk = wk.data_ptr();
+  args.positions = positions.data_ptr<int64_t>();
+  args.inv_freq = inv_freq.data_ptr<float>();
+  args.yq = yq.data_ptr();
+  args.yk = yk.data_ptr();
+  args.T = q.size(0);
+  args.Hq = q.size(1) / D;
+  args.Hk = k.size(1) / D;
+  args.D = D;
+  args.q_stride = q.stride(0);
+  args.k_stride = k.stride(0);
+  args.eps_q = static_cast<float>(eps_q);
+  args.eps_k = static_cast<float>(eps_k);
+  qk_norm_rope_cuda(args, q.scalar_type(), q);
+#endif
+  return {yq, yk};
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_inputs(x, weight, eps);
   const int64_t R = x.size(0), H = x.size(1);

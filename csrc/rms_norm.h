@@ -45,8 +45,26 @@ struct NormQuantArgs {
   float quant_eps = 0.0f;
 };
 
+// One launch of qk_norm_rope: every head of q [T, Hq * D] (row stride q_stride) and k [T, Hk * D] (row
+// stride k_stride) normed as rms_norm norms a row of D (weights wq / wk [D], eps_q / eps_k), then rotated
+// as rope rotates it (positions [T] int64, inv_freq [D / 2] fp32) into yq [T, Hq * D] and yk [T, Hk * D]
+// (contiguous). D a multiple of 128, at most 512.
+struct QkNormRopeArgs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* wq = nullptr;
+  const void* wk = nullptr;
+  const int64_t* positions = nullptr;
+  const float* inv_freq = nullptr;
+  void* yq = nullptr;
+  void* yk = nullptr;
+  int64_t T = 0, Hq = 0, Hk = 0, D = 0, q_stride = 0, k_stride = 0;
+  float eps_q = 0.0f, eps_k = 0.0f;
+};
+
 #ifdef JETRL_WITH_CUDA
 void rms_norm_cuda(const RmsNormArgs& args, at::ScalarType dtype, const at::Tensor& x);
+void qk_norm_rope_cuda(const QkNormRopeArgs& args, at::ScalarType dtype, const at::Tensor& q);
 void rms_norm_quant_cuda(const NormQuantArgs& args, at::ScalarType dtype, const at::Tensor& x);
 #endif
 
@@ -58,6 +76,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // (rms_norm(x + residual), x + residual), both new and contiguous.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
+
+// The exact forward's q/k norms and rotary embedding in one launch (CUDA only): q [T, Hq * D] and
+// k [T, Hk * D] of one dtype (rows of any stride, the last dim contiguous; D = 2 * inv_freq's length, a
+// multiple of 128 up to 512), wq / wk [D] of that dtype, positions [T] int64, inv_freq [D / 2] fp32 ->
+// (rope(rms_norm(q's heads)), rope(rms_norm(k's heads))), new and contiguous: the bytes of the norm
+// kernel on each head and the rope kernel on its output.
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& wq,
+                                                const at::Tensor& wk, double eps_q, double eps_k,
+                                                const at::Tensor& positions, const at::Tensor& inv_freq);
 
 // The norm fused with the 1x128 FP8 quantization of its output (CUDA only; the exact forward's norm
 // before an FP8 linear): x [R, H] (and residual, when defined: the residual add first) ->

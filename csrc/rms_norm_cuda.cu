@@ -12,21 +12,27 @@
 // With a residual (add_rms_norm) the lanes first form total = dtype(float(x) + float(residual)) (torch's
 // add of two tensors of that dtype), store it, and norm it: one launch for the add and the norm.
 // rms_norm_quant_kernel fuses the norm with the 1x128 FP8 quantization of its output (the codes and
-// scales quantize_cuda.cu makes from the plain kernel's output, shared through quantize_cuda.cuh).
+// scales quantize_cuda.cu makes from the plain kernel's output, shared through quantize_cuda.cuh);
+// qk_norm_rope_kernel fuses the q/k norms with the rotary embedding (rope_cuda.cuh's arithmetic).
 // Nothing depends on blockIdx beyond the row's address, so a row gets the same bits alone or among
 // thousands. Memory-bound; the second pass over the row mostly hits L1/L2. No host syncs and no
 // allocations besides the output: capturable in a CUDA graph.
 #include <c10/cuda/CUDAException.h>
 
+#include <string>
+
 #include "cuda_dtypes.cuh"
 #include "quantize_cuda.cuh"
 #include "rms_norm.h"
+#include "rope_cuda.cuh"
 
 namespace jetrl {
 namespace {
 
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarp = 32;
+constexpr int kLoads = 8;  // a lane's columns loaded at once before they are summed, in order
+constexpr int kMaxHeadDim = 512;  // qk_norm_rope: a head's normed values wait in shared memory
 
 // The value the norm reads at column c: x's, or with a residual the rounded sum, stored to total.
 template <typename T, bool kAdd>
@@ -50,7 +56,17 @@ __device__ __forceinline__ float row_inv_rms(const T* __restrict__ xr, const T* 
   const int t = threadIdx.x;
   float v = input_at<T, kAdd>(xr, rr, sr, t);
   float acc = __fmul_rn(v, v);
-  for (int64_t c = t + kNormLanes; c < H; c += kNormLanes) {
+  int64_t c = t + kNormLanes;
+  // kLoads values loaded before they are summed (in the same order): the loads overlap, while one load
+  // at a time would leave a row's dozens of columns waiting on memory one after the other
+  for (; c + (kLoads - 1) * kNormLanes < H; c += kLoads * kNormLanes) {
+    float vals[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) vals[u] = input_at<T, kAdd>(xr, rr, sr, c + u * kNormLanes);
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) acc = __fadd_rn(acc, __fmul_rn(vals[u], vals[u]));
+  }
+  for (; c < H; c += kNormLanes) {
     v = input_at<T, kAdd>(xr, rr, sr, c);
     acc = __fadd_rn(acc, __fmul_rn(v, v));
   }
@@ -97,6 +113,7 @@ __global__ void __launch_bounds__(kNormLanes)
 
   const float inv = row_inv_rms<T, kAdd>(xr, rr, sr, H, eps, lanes, &inv_shared);
   const T* in = kAdd ? sr : xr;  // this lane's own stores: visible to it without a barrier
+#pragma unroll 4
   for (int64_t c = t; c < H; c += kNormLanes) yr[c] = normed_value<T>(C::to_float(in[c]), inv, w[c]);
 }
 
@@ -119,6 +136,7 @@ __global__ void __launch_bounds__(kNormLanes) rms_norm_quant_kernel(NormQuantArg
   const T* w = static_cast<const T*>(a.w);
 
   const float inv = row_inv_rms<T, kAdd>(xr, rr, sr, a.H, a.eps, lanes, &inv_shared);
+#pragma unroll 4
   for (int64_t g = warp; g < a.H / kNormLanes; g += kNormLanes / kWarp) {
     const int64_t c0 = g * kNormLanes + 4 * lane;
     T v[4];
@@ -132,6 +150,39 @@ __global__ void __launch_bounds__(kNormLanes) rms_norm_quant_kernel(NormQuantArg
     const uint32_t codes = quant::encode_warp_group<T>(v, a.pow2, a.quant_eps, &scale_inv);
     *reinterpret_cast<uint32_t*>(a.q + row * a.H + c0) = codes;
     if (lane == 0) a.s[g * a.s_stride + row] = scale_inv;
+  }
+}
+
+// The exact forward's q/k norms and rotary embedding in one launch: one block per (token, head), q's
+// heads first, then k's. The head's norm is rms_norm's (row_inv_rms, normed_value: the same arithmetic
+// for a head of D values as for any row), its normed values wait in shared memory for their partners
+// (j and j + D/2), and the rotation is rope's (rope_cuda.cuh). Equal bit for bit to rms_norm of each
+// head followed by rope of the rounded result.
+template <typename T>
+__global__ void __launch_bounds__(kNormLanes) qk_norm_rope_kernel(QkNormRopeArgs a) {
+  using C = Round<T>;
+  __shared__ float lanes[kNormLanes];
+  __shared__ float inv_shared;
+  __shared__ T head[kMaxHeadDim];
+
+  const int t = threadIdx.x;
+  const int64_t heads = a.Hq + a.Hk, token = blockIdx.x / heads, h = blockIdx.x % heads;
+  const bool is_q = h < a.Hq;
+  const int64_t D = a.D, half = D / 2, hh = is_q ? h : h - a.Hq;
+  const T* xr = static_cast<const T*>(is_q ? a.q : a.k) + token * (is_q ? a.q_stride : a.k_stride) + hh * D;
+  const T* w = static_cast<const T*>(is_q ? a.wq : a.wk);
+  T* yr = static_cast<T*>(is_q ? a.yq : a.yk) + (token * (is_q ? a.Hq : a.Hk) + hh) * D;
+
+  const float inv = row_inv_rms<T, false>(xr, nullptr, nullptr, D, is_q ? a.eps_q : a.eps_k, lanes, &inv_shared);
+  for (int64_t c = t; c < D; c += kNormLanes) head[c] = normed_value<T>(C::to_float(xr[c]), inv, w[c]);
+  __syncthreads();
+  const int64_t position = a.positions[token];
+  for (int64_t c = t; c < D; c += kNormLanes) {
+    const int64_t j = c % half;
+    float cs, sn;
+    rope_cos_sin<T>(position, a.inv_freq[j], &cs, &sn);
+    const float x1 = C::to_float(head[j]), x2 = C::to_float(head[j + half]);
+    yr[c] = c < half ? rope_first<T>(x1, x2, cs, sn) : rope_second<T>(x1, x2, cs, sn);
   }
 }
 
@@ -156,6 +207,16 @@ void launch_typed(const RmsNormArgs& a, cudaStream_t stream) {
 void rms_norm_cuda(const RmsNormArgs& args, at::ScalarType dtype, const at::Tensor& x) {
   by_dtype_on_stream(x, dtype, "rms_norm",
                      [&](auto t, cudaStream_t stream) { launch_typed<decltype(t)>(args, stream); });
+}
+
+void qk_norm_rope_cuda(const QkNormRopeArgs& args, at::ScalarType dtype, const at::Tensor& q) {
+  TORCH_CHECK(args.D <= kMaxHeadDim, "qk_norm_rope: head dim ", std::to_string(args.D), " over the kernel's ",
+              std::to_string(kMaxHeadDim));
+  by_dtype_on_stream(q, dtype, "qk_norm_rope", [&](auto t, cudaStream_t stream) {
+    const auto blocks = static_cast<unsigned>(args.T * (args.Hq + args.Hk));
+    qk_norm_rope_kernel<decltype(t)><<<blocks, kNormLanes, 0, stream>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 void rms_norm_quant_cuda(const NormQuantArgs& args, at::ScalarType dtype, const at::Tensor& x) {

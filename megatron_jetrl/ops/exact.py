@@ -202,6 +202,35 @@ def _quantized_like(x_RK: torch.Tensor, k: int, m_align: int) -> tuple[torch.Ten
             rows_scale_layout(x_RK.new_empty((rows, k)), m_align))
 
 
+def qk_norm_rope_reference(positions_T: torch.Tensor, q_TX: torch.Tensor, k_TX: torch.Tensor, wq: torch.Tensor,
+                           wk: torch.Tensor, eps_q: float, eps_k: float,
+                           inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q's and k's heads (q [T, Hq * D], k [T, Hk * D], D = 2 * len(inv_freq)) each normed by
+    ``rms_norm_reference`` (weights wq / wk [D]), then rotated by ``rope_reference``: eager torch, any
+    device. Returns new contiguous [T, Hq * D], [T, Hk * D]."""
+    d = 2 * inv_freq.numel()
+    out = []
+    for x, w, eps in ((q_TX, wq, eps_q), (k_TX, wk, eps_k)):
+        normed = rms_norm_reference(x.reshape(x.shape[0], -1, d), w, eps)
+        out.append(rope_reference(normed, positions_T, inv_freq).reshape(x.shape))
+    return out[0], out[1]
+
+
+def qk_norm_rope(positions_T: torch.Tensor, q_TX: torch.Tensor, k_TX: torch.Tensor, wq: torch.Tensor,
+                 wk: torch.Tensor, eps_q: float, eps_k: float,
+                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm_rope_reference``'s values: on CUDA one kernel for both (csrc/rms_norm_cuda.cu: each head
+    normed by the norm's own arithmetic, then rotated by rope's; equal bit for bit, tested) instead of
+    two norms, the copies of q and k they read and two rotations; elsewhere ``rms_norm`` and ``rope`` in
+    turn. q and k may be column slices of one tensor (rows of any stride). What the engine runs for its
+    q/k norms and rotary embedding in the exact mode (``rollout.vllm_fusion``)."""
+    if not q_TX.is_cuda:
+        d = 2 * inv_freq.numel()
+        return tuple(rope(rms_norm(x.reshape(x.shape[0], -1, d), w, eps), positions_T, inv_freq).reshape(x.shape)
+                     for x, w, eps in ((q_TX, wq, eps_q), (k_TX, wk, eps_k)))
+    return load_extension().qk_norm_rope(q_TX, k_TX, wq, wk, float(eps_q), float(eps_k), positions_T, inv_freq)
+
+
 @functools.cache
 def custom_ops() -> Any:
     """``torch.ops.jetrl`` with the exact ops registered (once per process): ``rms_norm(x, w, eps)``,
@@ -210,7 +239,9 @@ def custom_ops() -> Any:
     stride, each row contiguous; new contiguous outputs) and ``static_fp8_quant(x, scale)``; the fused
     ops the engine's fusion pass puts before its FP8 linears (x [R, H] 2-D): ``rms_norm_quant(x, w,
     eps, pow2_scales, quant_eps, m_align) -> (q, scale_inv)``, ``add_rms_norm_quant(x, residual, w, eps,
-    ...) -> (q, scale_inv, x + residual)`` and ``silu_mul_quant(x, ...) -> (q, scale_inv)``."""
+    ...) -> (q, scale_inv, x + residual)`` and ``silu_mul_quant(x, ...) -> (q, scale_inv)``, and the one for
+    its q/k norms and rotary embedding: ``qk_norm_rope(positions, q, k, wq, wk, eps_q, eps_k, inv_freq) ->
+    (q, k)`` (q [T, Hq * D], k [T, Hk * D] as vLLM's attention splits them from qkv)."""
 
     @torch.library.custom_op("jetrl::rms_norm", mutates_args=())
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -278,6 +309,17 @@ def custom_ops() -> Any:
     @_silu_mul_quant.register_fake
     def _(x, pow2_scales, quant_eps, m_align):
         return _quantized_like(x, x.shape[-1] // 2, m_align)
+
+    @torch.library.custom_op("jetrl::qk_norm_rope", mutates_args=())
+    def _qk_norm_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, wq: torch.Tensor,
+                      wk: torch.Tensor, eps_q: float, eps_k: float,
+                      inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return qk_norm_rope(positions.reshape(-1), query, key, wq, wk, eps_q, eps_k, inv_freq)
+
+    @_qk_norm_rope.register_fake
+    def _(positions, query, key, wq, wk, eps_q, eps_k, inv_freq):
+        return torch.empty_like(query, memory_format=torch.contiguous_format), \
+            torch.empty_like(key, memory_format=torch.contiguous_format)
 
     @torch.library.custom_op("jetrl::static_fp8_quant", mutates_args=())
     def _static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

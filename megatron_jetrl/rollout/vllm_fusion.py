@@ -1,11 +1,14 @@
-"""The exact engine's fusion pass: a norm or SiLU·mul and the 1x128 quantization after it become one
-kernel (``precision.exact``).
+"""The exact engine's fusion pass: kernels that the default engine gets from vLLM's own fusions, made
+of the exact ops (``precision.exact``).
 
-Why: in the exact mode vLLM's own fusions are off (they quantize vLLM's way, ``vllm_quant.py``), so
-before each FP8 linear the engine ran two kernels, the exact norm (or SiLU·mul) and the trainer's
-quantization, where the default engine runs one. The fused ops (``ops.exact.rms_norm_quant``,
-``silu_mul_quant``) give the same bytes as the two kernels in turn (GPU-tested bit for bit), so the
-rollout stays exact and the trainer, which keeps the two, needs nothing.
+Why: in the exact mode vLLM's fusions are off (they quantize vLLM's way, ``vllm_quant.py``) and its
+norms and rotary embedding are the exact ops, each one kernel. Before each FP8 linear the engine ran
+two kernels, the exact norm (or SiLU·mul) and the trainer's quantization, where the default engine
+runs one; and for attention's q/k norms and rotary embedding four (two norms, which also copied their
+strided input, and two rotations) where the default engine's compiled graph runs about one. The fused
+ops (``ops.exact.rms_norm_quant``, ``silu_mul_quant``, ``qk_norm_rope``) give the same bytes as the
+kernels they replace, in turn (GPU-tested bit for bit), so the rollout stays exact and the trainer,
+which keeps the separate ops, needs nothing.
 
 How: an Inductor post-grad pass, handed to vLLM as ``post_grad_custom_post_pass`` (vLLM's pass
 manager runs it after its own passes, on every compiled piece of the model). It finds, in the FX
@@ -14,12 +17,13 @@ graph of a piece,
     jetrl::rms_norm(x, w, eps)                    -> [same-shape views] -> jetrl::quantize_1x128_rows
     jetrl::add_rms_norm(x, r, w, eps)[0]          -> [same-shape views] -> jetrl::quantize_1x128_rows
     jetrl::silu_mul(x)                            -> [same-shape views] -> jetrl::quantize_1x128_rows
+    jetrl::rope(pos, view(jetrl::rms_norm(view(q), wq)), view(jetrl::rms_norm(view(k), wk)), inv_freq)
 
-where the norm's (or activation's) value has no other use, and calls the fused op instead; the
-residual sum of ``add_rms_norm`` comes from the fused op too. Anything else is left as it is (still
-exact, one kernel more). The pass is a plain graph rewrite, testable without vLLM
-(``fuse_quantizations``); its ``uuid`` is this file's digest, so vLLM's and Inductor's compile
-caches recompile when it changes.
+where the intermediate values have no other use, and calls the fused op instead; the residual sum of
+``add_rms_norm`` comes from the fused op too. Anything else is left as it is (still exact, a kernel
+more). The pass is a plain graph rewrite, testable without vLLM (``fuse_quantizations``,
+``fuse_qk_norm_rope``); its ``uuid`` is this file's digest, so vLLM's and Inductor's compile caches
+recompile when it changes.
 """
 
 from __future__ import annotations
@@ -148,6 +152,53 @@ def _replace(graph: fx.Graph, source: fx.Node, fused_op: Any, args: tuple, outpu
             old.replace_all_uses_with(new)
 
 
+def _through_views(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """The node whose value ``node`` views (through views of any shape, each with no other use), and
+    the views passed, nearest first."""
+    chain = []
+    while _is_view(node) and len(node.users) == 1:
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def fuse_qk_norm_rope(graph: fx.Graph, ops: Any) -> int:
+    """Rewrite ``graph`` in place: where the rotary embedding's q and k are each the exact norm of a
+    tensor's heads (``jetrl::rms_norm`` of a view of q [T, Hq * D], viewed back), and the norms have no
+    other use, call ``jetrl::qk_norm_rope`` on the two tensors instead (one kernel for two norms, their
+    input copies and the rotation). Returns how many it fused."""
+    rope, norm = ops.rope.default, ops.rms_norm.default
+    count = 0
+    for r_node in list(graph.nodes):
+        if not _is(r_node, rope):
+            continue
+        positions, q_in, k_in, inv_freq = _arguments(r_node)
+        users = [_sole_getitem(r_node, i) for i in (0, 1)]
+        if any(u is None for u in users) or len(r_node.users) != 2:
+            continue
+        found = []
+        for x in (q_in, k_in):
+            n_node, out_views = _through_views(x)
+            if not (_is(n_node, norm) and len(n_node.users) == 1):
+                break
+            nx, weight, eps = _arguments(n_node)
+            source, in_views = _through_views(nx)
+            sx, ss = _shape(x), _shape(source)
+            if sx is None or ss is None or len(sx) != 2 or len(ss) != 2 or not _same_shape(x, source):
+                break
+            found.append((source, weight, eps, [*out_views, n_node, *in_views]))
+        if len(found) != 2:
+            continue
+        (q_src, wq, eps_q, q_dead), (k_src, wk, eps_k, k_dead) = found
+        values = list(r_node.meta.get("val") or (None, None))
+        _replace(graph, r_node, ops.qk_norm_rope.default, (positions, q_src, k_src, wq, wk, eps_q, eps_k, inv_freq),
+                 users, values)
+        for node in (*users, r_node, *q_dead, *k_dead):
+            graph.erase_node(node)
+        count += 1
+    return count
+
+
 @functools.cache
 def _digest() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
@@ -164,9 +215,10 @@ def _pass_class() -> type:
         """``fuse_quantizations`` as a vLLM Inductor pass (``post_grad_custom_post_pass``)."""
 
         def __call__(self, graph: fx.Graph) -> None:
-            counts = fuse_quantizations(graph, custom_ops(), quantize_rows_op())
+            counts = {**fuse_quantizations(graph, custom_ops(), quantize_rows_op()),
+                      "qk_norm_rope": fuse_qk_norm_rope(graph, custom_ops())}
             if any(counts.values()):
-                logger.info("precision.exact: fused the quantization into %s", counts)
+                logger.info("precision.exact: fused kernels in a compiled piece: %s", counts)
 
         def uuid(self) -> str:
             return _digest()

@@ -97,3 +97,55 @@ def test_the_residual_sum_may_be_unused():
     assert fuse_quantizations(gm.graph, OPS, QUANT)["add_rms_norm"] == 1
     gm.recompile()
     assert all(_same(a, b) for a, b in zip(gm(*inputs), want, strict=True))  # pow2 scales and eps passed on
+
+
+def attention_piece(qkv, positions, wq, wk, inv_freq):
+    """vLLM's Qwen3 attention up to the attention op, as its exact engine compiles it: q, k, v split from
+    qkv (strided column slices), each head of q and k normed by the exact norm (on a [T, H, D] view, viewed
+    back) and both rotated by the exact rope."""
+    q, k, v = qkv.split([4 * 128, 2 * 128, 2 * 128], dim=-1)
+    qn = OPS.rms_norm(q.view(q.shape[0], 4, 128), wq, EPS).view(q.shape)
+    kn = OPS.rms_norm(k.view(k.shape[0], 2, 128), wk, EPS).view(k.shape)
+    qr, kr = OPS.rope(positions, qn, kn, inv_freq)
+    return qr, kr, v
+
+
+def test_q_and_k_norms_and_their_rotation_become_one_fused_op():
+    from megatron_jetrl.ops.exact import rope_inv_freq
+    from megatron_jetrl.rollout.vllm_fusion import fuse_qk_norm_rope
+
+    g = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(7, 8 * 128, generator=g) * 2).to(torch.bfloat16)
+    positions = torch.tensor([0, 1, 2, 50, 51, 900, 4095])
+    wq, wk = ((torch.rand(128, generator=g) + 0.5).to(torch.bfloat16) for _ in range(2))
+    inv_freq = rope_inv_freq(128, 1e6, torch.device("cpu"))
+    inputs = (qkv, positions, wq, wk, inv_freq)
+    gm = make_fx(attention_piece)(*inputs)
+    want = gm(*inputs)
+    assert fuse_qk_norm_rope(gm.graph, OPS) == 1
+    gm.graph.lint()
+    gm.recompile()
+    targets = _targets(gm)
+    assert "jetrl.qk_norm_rope.default" in targets
+    assert not any(t.startswith(("jetrl.rms_norm.", "jetrl.rope.")) for t in targets), targets
+    got = gm(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_norm_used_elsewhere_keeps_the_q_k_path_as_it_is():
+    from megatron_jetrl.ops.exact import rope_inv_freq
+    from megatron_jetrl.rollout.vllm_fusion import fuse_qk_norm_rope
+
+    def piece(qkv, positions, wq, wk, inv_freq):
+        q, k, _ = qkv.split([4 * 128, 2 * 128, 2 * 128], dim=-1)
+        qn = OPS.rms_norm(q.view(q.shape[0], 4, 128), wq, EPS)
+        kn = OPS.rms_norm(k.view(k.shape[0], 2, 128), wk, EPS).view(k.shape)
+        qr, kr = OPS.rope(positions, qn.view(q.shape), kn, inv_freq)
+        return qr, kr, qn  # the normed q also leaves the piece
+
+    g = torch.Generator().manual_seed(2)
+    inputs = ((torch.randn(3, 8 * 128, generator=g)).to(torch.bfloat16), torch.tensor([4, 5, 6]),
+              torch.ones(128, dtype=torch.bfloat16), torch.ones(128, dtype=torch.bfloat16),
+              rope_inv_freq(128, 1e4, torch.device("cpu")))
+    gm = make_fx(piece)(*inputs)
+    assert fuse_qk_norm_rope(gm.graph, OPS) == 0
