@@ -10,16 +10,20 @@ ordinary gradient (the backward never has to match anything):
   linear of a BF16 layer); backward ``dx = dy·W``, ``dW = dyᵀ·x`` with torch's matmul.
 - ``exact_attention``: FlashAttention over a paged view of the packed K/V with one split, as vLLM
   attends (with an FP8 KV cache: q, k, v quantized by the cache's scales, K/V written by vLLM's
-  cache kernel, queries in the chunks vLLM schedules them in, ``ops.exact.FP8_KV_QUERY_ROWS``);
-  backward by recomputing torch's varlen attention (the trainer's usual kernel) on the same BF16
-  q, k, v; with an FP8 KV cache on the values the cache holds (``fp8_cache_values``: the gradient
-  at the point the forward computed, straight through the rounding, none where the scale clipped).
+  cache kernel, queries in the chunks vLLM schedules them in, ``ops.exact.FP8_KV_QUERY_ROWS``), the
+  paged layout computed once per micro-batch; backward FlashAttention-2's (torch's, the trainer's
+  usual kernel) from that forward's output and log-sum-exp, on the same BF16 q, k, v; with an FP8 KV
+  cache on the values the cache holds (``fp8_cache_values``: the gradient at the point the forward
+  computed, straight through the rounding, none where the scale clipped).
 - FP8 linears keep ``fp8_block_linear`` with its FProp GEMM swapped for the one vLLM runs for the
   linear (``VllmKernels.fp8_gemm``: DeepGEMM or CUTLASS); DGrad and WGrad stay the trainer's.
 - ``exact_rope``: forward with ``ops.exact.rope`` (the kernel vLLM's rotary embedding runs),
   backward through its eager reference recomputed from the saved input.
-- SiLU·mul, the residual adds and the embedding need nothing here: megatron computes them with the
-  same eager ops as ``ops.exact.silu_mul_reference``, which vLLM's kernel (``ops.exact.silu_mul``) equals.
+- ``ExactSwiGLU``: the MLP's activation module (chosen in the layer spec), forward ``ops.exact.silu_mul``
+  (the kernel vLLM's SiLU·mul runs: megatron's eager SwiGLU bits), backward megatron's compiled SwiGLU
+  gradient (the default mode's).
+- The residual adds and the embedding need nothing here: megatron computes them with the same eager
+  ops as vLLM.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_swiglu import swiglu_back
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 
-from megatron_jetrl.ops.exact import (ExactUnavailable, VllmKernels, fp8_kv_query_chunk, kv_pages, paged_kv,
-                                      query_chunks, rope, rope_inv_freq, rope_reference, static_fp8_quant)
+from megatron_jetrl.ops.exact import (ExactUnavailable, KvPages, VllmKernels, fp8_kv_query_chunk, kv_pages, paged_kv,
+                                      query_chunks, rope, rope_inv_freq, silu_mul, static_fp8_quant)
 from megatron_jetrl.ops.rms_norm import rms_norm
 from megatron_jetrl.precision.quant import E4M3_MAX
 
@@ -50,10 +55,10 @@ class _ExactRmsNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
+        with torch.enable_grad():  # torch's fused norm in the model's dtype: the default mode's norm (layers.RMSNorm)
             xg, wg = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            y = F.rms_norm(xg.float(), (x.shape[-1],), wg.float(), ctx.eps)
-            dx, dw = torch.autograd.grad(y, (xg, wg), dy.float())
+            y = F.rms_norm(xg, (x.shape[-1],), wg, ctx.eps)
+            dx, dw = torch.autograd.grad(y, (xg, wg), dy)
         return dx, dw, None
 
 
@@ -82,10 +87,39 @@ class _ExactRopeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         positions, inv_freq = ctx.saved_tensors
-        with torch.enable_grad():  # linear in t: the reference's gradient needs no saved input
-            t = torch.zeros(dy.shape, dtype=dy.dtype, device=dy.device, requires_grad=True)
-            (dt,) = torch.autograd.grad(rope_reference(t, positions, inv_freq), t, dy)
-        return dt, None, None
+        # RoPE rotates each pair (x[j], x[j + D/2]) by the angle p * inv_freq[j]: its gradient is the rotation
+        # by the opposite angle, which is rope at the negated positions (cos even, sin odd), one kernel
+        return rope(dy.contiguous(), -positions, inv_freq), None, None
+
+
+class _ExactSwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return silu_mul(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return swiglu_back(dy, x)
+
+
+class ExactSwiGLU(torch.nn.Module):
+    """megatron MLP activation module (``MLPSubmodules.activation_func``, called on the whole
+    ``[gate | up]`` output of fc1 with ``use_te_activation_func``) computing ``silu(gate) * up`` with
+    the kernel vLLM's SiLU·mul runs in the exact mode (``ops.exact.silu_mul``: megatron's eager SwiGLU
+    bits, one kernel); backward megatron's compiled SwiGLU gradient (``swiglu_back``, the default mode's
+    backward), one kernel instead of the eager ops' autograd (two multiplies, the SiLU gradient, a cat)."""
+
+    def __init__(self, config, **_unused):
+        super().__init__()
+        if not (config.gated_linear_unit and config.activation_func is F.silu):
+            raise ExactUnavailable("the exact forward's MLP activation is SwiGLU (silu, gated); this model's is "
+                                   f"{getattr(config.activation_func, '__name__', config.activation_func)} "
+                                   f"(gated: {config.gated_linear_unit})")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ExactSwiGLUFn.apply(x)
 
 
 def exact_rope(t_THD: torch.Tensor, positions_T: torch.Tensor, base: float) -> torch.Tensor:
@@ -158,43 +192,67 @@ def bind_exact_forward(linear: torch.nn.Module, kernels: VllmKernels) -> None:
 
 class _ExactAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, positions, max_seqlen: int, scale: float, kernels: VllmKernels,
+    def forward(ctx, q, k, v, cu_seqlens, pages: KvPages, max_seqlen: int, scale: float, kernels: VllmKernels,
                 backward_attention: Callable, kv_scales):
         if kv_scales is None:
-            k_pages, v_pages, table, used = paged_kv(k, v, cu_seqlens, positions, max_seqlen)
-            out, _ = kernels.paged_attention(q.contiguous(), k_pages, v_pages, cu_seqlens, used, table, max_seqlen,
-                                             scale)
+            k_pages, v_pages, table, used = paged_kv(k, v, pages)
+            out, lse = kernels.paged_attention(q.contiguous(), k_pages, v_pages, cu_seqlens, used, table, max_seqlen,
+                                               scale)
         else:  # an FP8 KV cache: q, k, v quantized as vLLM quantizes them, with the scales it holds
             if not kernels.descale_query:
                 raise ExactUnavailable("an FP8 KV cache in the exact mode needs FlashAttention that takes FP8 queries "
                                        "(version 3, Hopper); this one does not")
             q_scale, k_scale, v_scale = kv_scales[0:1], kv_scales[1:2], kv_scales[2:3]
-            pages = kv_pages(cu_seqlens, positions, max_seqlen)
             k_pages, v_pages = kernels.fp8_pages(k.contiguous(), v.contiguous(), pages, k_scale, v_scale)
             chunk = fp8_kv_query_chunk(q.shape[1], k.shape[1])  # the kernel vLLM's steps run (ops.exact)
             cu_q, used, table = query_chunks(cu_seqlens, pages, q.shape[0], chunk)
-            out, _ = kernels.paged_attention(static_fp8_quant(q.contiguous(), q_scale), k_pages, v_pages, cu_q, used,
-                                             table, max_seqlen, scale, descales=(q_scale, k_scale, v_scale),
-                                             out_dtype=q.dtype, max_seqlen_q=min(chunk, max_seqlen))
-        ctx.save_for_backward(q, k, v, cu_seqlens, kv_scales)
+            out, lse = kernels.paged_attention(static_fp8_quant(q.contiguous(), q_scale), k_pages, v_pages, cu_q,
+                                               used, table, max_seqlen, scale, descales=(q_scale, k_scale, v_scale),
+                                               out_dtype=q.dtype, max_seqlen_q=min(chunk, max_seqlen))
+        ctx.save_for_backward(q, k, v, cu_seqlens, kv_scales, out, lse)
         ctx.args = (max_seqlen, scale, backward_attention)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, cu_seqlens, kv_scales = ctx.saved_tensors
-        max_seqlen, scale, attention = ctx.args
+        q, k, v, cu_seqlens, kv_scales, out, lse = ctx.saved_tensors
+        max_seqlen, scale, backward = ctx.args
         inside = None
         if kv_scales is not None:  # the gradient where the forward computed: at the cache's values
             (q, k, v), inside = zip(*(fp8_cache_values(t, kv_scales[i:i + 1]) for i, t in enumerate((q, k, v))),
                                     strict=True)
-        with torch.enable_grad():
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            out = attention(qg, kg, vg, cu_seqlens, max_seqlen, scale)
-            grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+        grads = backward(dout.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, scale)
         if inside is not None:
             grads = tuple(g.masked_fill(~kept, 0) for g, kept in zip(grads, inside, strict=True))
         return *grads, None, None, None, None, None, None, None
+
+
+AttentionBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""``(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale) -> (dq, dk, dv)``: the exact attention's
+gradient given its forward's output and log-sum-exp ([H, T] fp32)."""
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, scale: float):
+    """FlashAttention-2's backward (torch's, the trainer's usual attention backward) from the exact
+    forward's own output and log-sum-exp, instead of running a second forward to get them: causal
+    within each packed sequence, grouped-query heads as they come."""
+    rng, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), cu_seqlens,
+        cu_seqlens, max_seqlen, max_seqlen, 0.0, True, rng, unused, scale=scale)
+    return dq, dk, dv
+
+
+def recompute_backward(attention: Callable) -> AttentionBackward:
+    """The gradient of ``attention(q, k, v, cu_seqlens, max_seqlen, scale)`` computed afresh (a forward
+    and its backward; the forward's own output is not used): where FlashAttention-2's backward does not
+    run (off CUDA)."""
+    def backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale):
+        with torch.enable_grad():
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            return torch.autograd.grad(attention(qg, kg, vg, cu_seqlens, max_seqlen, scale), (qg, kg, vg), dout)
+
+    return backward
 
 
 def fp8_cache_values(t: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,13 +265,27 @@ def fp8_cache_values(t: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
 
 
 def exact_attention(q_THD, k_THD, v_THD, cu_seqlens: torch.Tensor, positions: torch.Tensor, max_seqlen: int,
-                    scale: float, kernels: VllmKernels, backward_attention: Callable,
+                    scale: float, kernels: VllmKernels, backward_attention: AttentionBackward,
                     kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention within each packed sequence, forward as vLLM computes it (FlashAttention,
-    paged K/V, one split); ``backward_attention(q, k, v, cu_seqlens, max_seqlen, scale)`` is
-    differentiated for the gradients (straight through any quantization). q [T, Hq, D], k/v
-    [T, Hkv, D] -> [T, Hq, D]. ``kv_scales`` ([3] fp32 on the device: q, k, v): the FP8 KV cache's
-    scales the engine computes with; q, k and v then go through the cache's quantization."""
+    paged K/V, one split); ``backward_attention`` gives the gradients (``flash_attention_backward`` from
+    the forward's output on CUDA; straight through any quantization). q [T, Hq, D], k/v [T, Hkv, D] ->
+    [T, Hq, D]. ``kv_scales`` ([3] fp32 on the device: q, k, v): the FP8 KV cache's scales the engine
+    computes with; q, k and v then go through the cache's quantization."""
     cu32 = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
-    return _ExactAttentionFn.apply(q_THD, k_THD, v_THD, cu32, positions, int(max_seqlen), float(scale), kernels,
+    pages = micro_batch_pages(cu_seqlens, cu32, positions, int(max_seqlen))
+    return _ExactAttentionFn.apply(q_THD, k_THD, v_THD, cu32, pages, int(max_seqlen), float(scale), kernels,
                                    backward_attention, kv_scales)
+
+
+def micro_batch_pages(cu_seqlens: torch.Tensor, cu32: torch.Tensor, positions: torch.Tensor,
+                      max_seqlen: int) -> KvPages:
+    """The packed batch's paged layout (``ops.exact.kv_pages``), computed by the micro-batch's first
+    attention layer and kept on ``cu_seqlens`` (the tensor megatron hands every layer, as
+    ``attach_packed_positions`` keeps the positions) for the others: a dozen small kernels once per
+    micro-batch instead of once per layer."""
+    kept = getattr(cu_seqlens, "jetrl_kv_pages", None)
+    if kept is None or kept[0] != max_seqlen:
+        kept = (max_seqlen, kv_pages(cu32, positions, max_seqlen))
+        cu_seqlens.jetrl_kv_pages = kept
+    return kept[1]

@@ -52,8 +52,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.attention import varlen
 
-from megatron_jetrl.actor.exact import (ExactRMSNorm, exact_attention, exact_forward_impl, exact_rope,
-                                        parallel_linear_input)
+from megatron_jetrl.actor.exact import (ExactRMSNorm, ExactSwiGLU, exact_attention, exact_forward_impl, exact_rope,
+                                        flash_attention_backward, parallel_linear_input, recompute_backward)
 from megatron_jetrl.ops.exact import VllmKernels
 from megatron_jetrl.precision import Fp8Quantizer, Fp8Weight, Fp8WeightCache, fp8_block_linear
 from megatron_jetrl.precision.kv_cache import KvAmaxObserver
@@ -264,8 +264,9 @@ class PackedCoreAttention(MegatronModule):
         if self.exact_kernels is None:
             return packed_causal_attention(q, k, v, cu_seqlens, max_seqlen, self.softmax_scale)
         positions = _positions(cu_seqlens, q.shape[0], q.device)
+        backward = flash_attention_backward if q.is_cuda else recompute_backward(packed_causal_attention)
         return exact_attention(q, k, v, cu_seqlens, positions, max_seqlen, self.softmax_scale, self.exact_kernels,
-                               packed_causal_attention, self.exact_kv_scales)
+                               backward, self.exact_kv_scales)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -370,6 +371,8 @@ def local_layer_spec(*, qk_layernorm: bool, fp8: bool, exact: bool = False) -> M
     if qk_layernorm:
         attn.q_layernorm = norm
         attn.k_layernorm = norm
+    if exact:
+        mlp.activation_func = ExactSwiGLU  # called on fc1's whole [gate | up] (use_te_activation_func, model.py)
     if fp8 or exact:
         attn.linear_qkv = Fp8ColumnParallelLinear
         attn.linear_proj = Fp8RowParallelLinear

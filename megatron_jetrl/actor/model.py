@@ -30,9 +30,10 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_jetrl.actor.exact import ExactRMSNorm, bind_exact_forward
+from megatron_jetrl.actor.exact import ExactRMSNorm, ExactSwiGLU, bind_exact_forward
 from megatron_jetrl.actor.layers import (COMPILED_ROPE_ATTR, EXACT_ATTR, TE_ATTENTION_ATTR, PackedCoreAttention,
                                          _Fp8LinearMixin, local_layer_spec, norm_class)
 from megatron_jetrl.actor.settings import ActorSettings
@@ -119,6 +120,9 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
         deallocate_pipeline_outputs=True,
         calculate_per_token_loss=False,
         bias_activation_fusion=fused,  # megatron's torch.compile'd SwiGLU (no bias here)
+        # the exact mode's SwiGLU is a module of its layer spec (actor.exact.ExactSwiGLU), which megatron's MLP
+        # calls on fc1's output under this flag (named after TE's activation modules; no TE is involved)
+        use_te_activation_func=recipe.exact,
     )
     if settings.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -208,13 +212,17 @@ def configure_exact(model: GPTModel, kernels) -> int:
 
 def check_exact(model: torch.nn.Module) -> None:
     """Raise, naming the modules, unless every norm of an exact-mode model is ``ExactRMSNorm``, every
-    linear and core attention computes with vLLM's kernels and the LM head is bound to the exact
-    GEMM: a module left on another kernel would make the rollout silently inexact."""
+    MLP's activation ``ExactSwiGLU``, every linear and core attention computes with vLLM's kernels and
+    the LM head is bound to the exact GEMM: a module left on another kernel would make the rollout
+    silently inexact."""
     wrong = []
     output_layer = getattr(model, "output_layer", None)
     for name, m in model.named_modules():
         if "Norm" in type(m).__name__ and not isinstance(m, ExactRMSNorm):
             wrong.append(f"{name} ({type(m).__name__})")
+        elif isinstance(m, MLP) and not isinstance(m.activation_func, ExactSwiGLU):
+            act = m.activation_func
+            wrong.append(f"{name}.activation_func ({getattr(act, '__name__', type(act).__name__)})")
         elif isinstance(m, (_Fp8LinearMixin, PackedCoreAttention)):
             if m.exact_kernels is None:
                 wrong.append(f"{name} ({type(m).__name__} without the exact kernels)")

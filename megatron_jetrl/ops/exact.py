@@ -528,12 +528,12 @@ def query_chunks(cu_seqlens: torch.Tensor, pages: KvPages, tokens: int, chunk: i
     return cu_q.to(torch.int32), used.to(torch.int32), pages.block_table[seq]
 
 
-def paged_kv(k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor, positions_T: torch.Tensor,
-             max_seqlen: int, page: int = KV_PAGE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_kv(k_THD: torch.Tensor, v_THD: torch.Tensor,
+             pages: KvPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A packed batch's K/V as a paged cache in their own dtype, as vLLM holds a BF16 one (pages
-    zero-filled after each sequence's last token). Returns (k_pages [P, page, Hkv, D], v_pages,
-    block_table [S, max pages] int32, seqused_k [S] int32)."""
-    pages = kv_pages(cu_seqlens, positions_T, max_seqlen, page)
+    zero-filled after each sequence's last token), laid out by ``kv_pages``. Returns (k_pages
+    [P, page, Hkv, D], v_pages, block_table [S, max pages] int32, seqused_k [S] int32)."""
+    page = pages.page
     tokens, heads, dim = k_THD.shape
     k_pages = k_THD.new_zeros(pages.num_pages * page, heads, dim).index_copy_(0, pages.slots, k_THD)
     v_pages = v_THD.new_zeros(pages.num_pages * page, heads, v_THD.shape[-1]).index_copy_(0, pages.slots, v_THD)

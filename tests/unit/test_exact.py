@@ -17,7 +17,8 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
 
-from megatron_jetrl.actor.exact import ExactRMSNorm, _ExactAttentionFn, exact_rope, fp8_cache_values  # noqa: E402
+from megatron_jetrl.actor.exact import (ExactRMSNorm, _ExactAttentionFn, exact_rope, fp8_cache_values,  # noqa: E402
+                                        recompute_backward)
 from megatron_jetrl.actor.layers import EXACT_ATTR, apply_rotary_pos_emb_packed, packed_positions  # noqa: E402
 from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megatron_jetrl.algo import mismatch_metrics  # noqa: E402
@@ -25,8 +26,8 @@ from megatron_jetrl.config import ConfigError  # noqa: E402
 from megatron_jetrl.job import load_job  # noqa: E402
 from megatron_jetrl.job.config import check_exact_model, resolve  # noqa: E402
 from megatron_jetrl.models import bridge_for  # noqa: E402
-from megatron_jetrl.ops.exact import (VllmKernels, custom_ops, paged_kv, rope, rope_inv_freq, rope_reference, silu_mul,  # noqa: E402
-                                      static_fp8_quant)
+from megatron_jetrl.ops.exact import (VllmKernels, custom_ops, kv_pages, paged_kv, rope,  # noqa: E402
+                                      rope_inv_freq, rope_reference, silu_mul, static_fp8_quant)
 from megatron_jetrl.ops.extension import load_extension  # noqa: E402
 from megatron_jetrl.ops.rms_norm import rms_norm_reference  # noqa: E402
 from megatron_jetrl.precision import PrecisionMode, PrecisionRecipe  # noqa: E402
@@ -142,7 +143,7 @@ def test_paged_kv_puts_each_sequence_on_its_own_pages():
     tokens = sum(lengths)
     k = torch.randn(tokens, 2, 8)
     v = torch.randn(tokens, 2, 8)
-    k_pages, v_pages, table, used = paged_kv(k, v, cu, packed_positions(cu, tokens), max(lengths), page)
+    k_pages, v_pages, table, used = paged_kv(k, v, kv_pages(cu, packed_positions(cu, tokens), max(lengths), page))
     assert used.tolist() == lengths and table.dtype == torch.int32 and used.dtype == torch.int32
     assert table.shape == (len(lengths), -(-max(lengths) // page))
     for i, n in enumerate(lengths):
@@ -458,8 +459,9 @@ def test_the_fp8_kv_attention_backward_is_taken_at_the_values_the_cache_holds():
         seen["at"] = (qg.detach().clone(), kg.detach().clone(), vg.detach().clone())
         return qg * (kg.float().sum() + vg.float().square().sum()).to(qg.dtype)
 
-    ctx = SimpleNamespace(saved_tensors=(q, k, v, torch.tensor([0, 6], dtype=torch.int32), scales),
-                          args=(6, 0.1, attention))
+    out, lse = torch.zeros(6, 2, 128).bfloat16(), torch.zeros(2, 6)  # the forward's: recompute_backward ignores them
+    ctx = SimpleNamespace(saved_tensors=(q, k, v, torch.tensor([0, 6], dtype=torch.int32), scales, out, lse),
+                          args=(6, 0.1, recompute_backward(attention)))
     dout = torch.randn(6, 2, 128, generator=g).bfloat16()
     dq, dk, dv, *rest = _ExactAttentionFn.backward(ctx, dout)
     assert all(r is None for r in rest)
@@ -478,7 +480,7 @@ def test_the_fp8_kv_attention_backward_is_taken_at_the_values_the_cache_holds():
     values, inside = fp8_cache_values(q, scales[0:1])
     assert torch.equal(values, at[0]) and torch.equal(inside, ~clipped_q)
     # over a BF16 cache: the gradient of the trainer's attention at the inputs themselves
-    ctx.saved_tensors = (q, k, v, ctx.saved_tensors[3], None)
+    ctx.saved_tensors = (q, k, v, ctx.saved_tensors[3], None, out, lse)
     plain = _ExactAttentionFn.backward(ctx, dout)
     assert len(rest) == len(plain) - 3 == 7 and all(r is None for r in plain[3:])
     assert all(torch.equal(a, b) for a, b in zip(seen["at"], (q, k, v), strict=True))
@@ -550,3 +552,36 @@ def test_the_fused_quantizing_ops_are_the_two_ops_in_turn(pow2, m_align):
     gu = (torch.randn(9, 2 * 256, generator=g) * 4).to(torch.bfloat16)
     got, want = silu_mul_quant(gu, **options), silu_mul_quant_reference(gu, **options)
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+def test_the_exact_swiglu_is_megatrons_eager_forward_with_its_compiled_gradient():
+    """``ExactSwiGLU`` (the exact layer spec's MLP activation): forward the bits of megatron's eager
+    ``silu(gate) * up`` (what vLLM's exact SiLU·mul computes), gradient megatron's ``swiglu_back`` (the
+    default mode's); a model whose MLP keeps another activation is refused."""
+    from megatron.core.fusions.fused_bias_swiglu import swiglu_back
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron_jetrl.actor.exact import ExactSwiGLU
+    from megatron_jetrl.actor.model import check_exact
+
+    config = SimpleNamespace(gated_linear_unit=True, activation_func=F.silu)
+    act = ExactSwiGLU(config)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 2 * 256, generator=g) * 3).to(torch.bfloat16).requires_grad_()
+    y = act(x)
+    gate, up = x.detach().chunk(2, dim=-1)
+    assert torch.equal(y, F.silu(gate) * up)
+    dy = torch.randn(y.shape, generator=g).to(y.dtype)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert torch.equal(dx, swiglu_back(dy, x.detach()))
+    with pytest.raises(Exception, match="SwiGLU"):
+        ExactSwiGLU(SimpleNamespace(gated_linear_unit=False, activation_func=F.gelu))
+    model = torch.nn.Module()
+    model.mlp = MLP.__new__(MLP)  # only its activation is read
+    torch.nn.Module.__init__(model.mlp)
+    model.mlp.activation_func = act
+    check_exact(model)
+    del model.mlp.activation_func  # megatron's MLP keeps a plain function there without the exact spec
+    model.mlp.activation_func = F.silu
+    with pytest.raises(RuntimeError, match=r"mlp.activation_func \(silu\)"):
+        check_exact(model)
