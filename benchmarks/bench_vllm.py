@@ -606,7 +606,7 @@ def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Fig
     """The decode results' headline figures (key -> (figure, the result it came from)): FP8 and FP8 KV
     over BF16 at ``target`` with the engine's default GEMM, exact over default FP8 (and with an FP8 KV
     cache) at ``EXACT_CASES``, both on DeepGEMM and from one invocation of the benchmark (the same
-    device, back to back), and the engine start (warm when measured)."""
+    device, back to back), and the engine's starts: from the warm caches where measured, and its first."""
     out = {}
     if "bf16" in decode and target in decode["bf16"]["cases"]:
         for m in ("fp8-deep_gemm", "fp8kv-deep_gemm"):  # the engine's default GEMM; CUTLASS: the table only
@@ -621,10 +621,12 @@ def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Fig
             if case in e["cases"] and case in d["cases"]:
                 out[key + suffix] = (Figure.ratio(_tok_s(e, case), _tok_s(d, case)), e)
     default = next((decode[m] for m in ("fp8-deep_gemm", "fp8") if m in decode), None)  # the engine's GEMM first
-    if default is not None:  # warm (decode --warm-start, in the figure's command) when measured, else the first
-        starts = default.get("engine_start_warm_s_all") or [default.get("engine_start_warm_s",
-                                                                        default["engine_start_s"])]
-        out["vllm_engine_start_s"] = (Figure.of(starts), default)
+    if default is not None:  # warm starts (decode --warm-start, in the figure's command) and the first one apart
+        warm = default.get("engine_start_warm_s_all") or (
+            [default["engine_start_warm_s"]] if "engine_start_warm_s" in default else [])
+        if warm:
+            out["vllm_engine_start_s"] = (Figure.of(warm), default)
+        out["vllm_engine_start_cold_s"] = (Figure.of([default["engine_start_s"]]), default)
     return out
 
 

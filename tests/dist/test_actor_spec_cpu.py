@@ -219,3 +219,45 @@ def test_te_attention_gets_the_packed_layout_and_stays_out_of_the_checkpoint(meg
             "thd", "padding_causal", 60, 60)
         assert kw["cu_seqlens_q"].dtype == kw["cu_seqlens_kv"].dtype == torch.int32
         assert kw["cu_seqlens_q"].tolist() == [0, 40, 100]
+
+
+def test_the_exact_spec_mlp_runs_its_swiglu_module(megatron_cpu):
+    """The exact layer spec gives megatron's MLP the ExactSwiGLU module, which megatron calls on fc1's
+    whole [gate | up] output (use_te_activation_func): the MLP's output is the eager SwiGLU MLP's bit for
+    bit (the same linears, silu(gate) * up with its two roundings), and its gradients are the eager
+    MLP's to bf16 rounding (megatron's fused SwiGLU gradient)."""
+    import torch.nn.functional as F
+
+    from megatron_jetrl.actor import ActorSettings
+    from megatron_jetrl.actor.exact import ExactSwiGLU
+    from megatron_jetrl.actor.layers import _Fp8LinearMixin
+    from megatron_jetrl.actor.model import layer_spec, transformer_config
+    from megatron_jetrl.models import bridge_for
+    from megatron_jetrl.precision import PrecisionRecipe
+    from tests.model_fixtures import tiny_hf_model
+    from megatron.core.models.gpt import GPTModel
+
+    bridge = bridge_for(tiny_hf_model("Qwen3ForCausalLM", num_layers=1).config.to_dict())
+    settings = ActorSettings(precision=PrecisionRecipe(mode="bf16", exact=True))
+    config = transformer_config(bridge, settings)
+    config.use_cpu_initialization = True
+    torch.manual_seed(0)
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec(bridge, settings, config),
+                     **bridge.gpt_model_kwargs(settings.parallel))
+    mlp = model.decoder.layers[0].mlp
+    assert isinstance(mlp.activation_func, ExactSwiGLU)
+    for m in mlp.modules():
+        if isinstance(m, _Fp8LinearMixin):
+            m.fp8_enabled = False  # megatron's BF16 GEMM (the exact kernels are vLLM's, a GPU's)
+    x = torch.randn(9, 1, bridge.dims.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x.requires_grad_()
+    out, _ = mlp(x)
+    w1, w2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
+    xr = x.detach().clone().requires_grad_()
+    gate, up = F.linear(xr, w1).chunk(2, dim=-1)
+    want = F.linear(F.silu(gate) * up, w2)
+    assert torch.equal(out, want)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    (dxr,) = torch.autograd.grad(want, xr, dy)
+    assert ((dx.float() - dxr.float()).norm() / dxr.float().norm()).item() < 2e-2
