@@ -15,7 +15,9 @@ lists where one step waits for the GPU from the host, by source line; ``--headli
 writes the ``RATIOS`` whose two modes ran (benchmarks/headline.py): actor_step_fp8_over_bf16 and
 logprob_fp8_over_bf16; with fp8-te, TE's FP8 step over native BF16 (other attention) and over
 native FP8; with bf16-te too, over TE's BF16 (the same attention: what TE's FP8 itself gains); with
-fp8-dgw (``actor.fp8_wgrad=deep_gemm``), that step over BF16.
+fp8-dgw (``actor.fp8_wgrad=deep_gemm``), that step over BF16; with fp8-exact / bf16-exact (the exact mode's
+trainer, in vLLM's batch-invariant mode as in a job; needs vLLM, listed after the other modes), the default
+step's time over the exact one's.
 
 Random weights (megatron's init), no checkpoint. One step = ``Actor.update``: forward + backward
 over packed micro-batches, DistributedOptimizer step (fp32 Adam, clipping), FP8 re-quantization.
