@@ -30,6 +30,9 @@ from megatron_jetrl.job import JobConfig, JobData, Resolved, load_data, load_job
 from megatron_jetrl.runtime.signals import PreemptionSignal
 
 EXIT_CONFIG = 2
+EXIT_EXACT_MISMATCH = 3
+"""An exact rollout that did not hold (``precision.exact_mismatch: stop``): not a preemption, so SLURM
+does not requeue it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -236,7 +239,7 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     # device_id every one of megatron's process groups gets one at once: 6.5 GiB per GPU for a
     # world of 1 on an H100 (benchmarks.md, "NCCL communicators"), most of them never used.
     dist.init_process_group("nccl")
-    from megatron_jetrl.trainer import Trainer
+    from megatron_jetrl.trainer import ExactMismatch, Trainer
 
     run_dir = Path(job.run.dir)
     if dist.get_rank() == 0:
@@ -250,6 +253,10 @@ def _train(job: JobConfig, args: argparse.Namespace, preemption: PreemptionSigna
     trainer = Trainer(job, resolved, data, run_dir=run_dir)
     try:
         return trainer.run(preemption)
+    except ExactMismatch as e:  # every rank found it (the check is all-reduced): one line, from rank 0
+        if dist.get_rank() == 0:
+            print(f"exact rollout error: {e}", file=sys.stderr, flush=True)
+        return EXIT_EXACT_MISMATCH
     finally:
         trainer.close()
         dist.destroy_process_group()

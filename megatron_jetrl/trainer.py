@@ -39,7 +39,7 @@ from megatron_jetrl.data.filters import overlong_penalty
 from megatron_jetrl.data.rewards import build_reward
 from megatron_jetrl.data.sampler import PromptSampler
 from megatron_jetrl.job import JobConfig, JobData, Resolved
-from megatron_jetrl.rollout import RolloutEngine, SamplingParams, build_engine
+from megatron_jetrl.rollout import RolloutEngine, SamplingParams, build_engine, engine_kind
 from megatron_jetrl.colocation import Colocation
 from megatron_jetrl.experience import Group, Response, StepRollouts, prompt_major, replica_share, training_batch
 from megatron_jetrl.runtime.atomic import save_json_atomic
@@ -58,6 +58,11 @@ from megatron_jetrl.warmup import Warmup
 CONSOLE_KEYS = ("reward/mean", "len=response/length_mean", "entropy=actor/entropy", "k3_kl=rollout_corr/k3_kl",
                 "eval=eval/reward", "gen=timing/generate_s", "lp=timing/logprobs_s", "upd=timing/update_s",
                 "sync=timing/sync_s", "{} tok/s/gpu=perf/tokens_per_s_per_gpu")
+
+
+class ExactMismatch(RuntimeError):
+    """An exact rollout's logprobs were not the trainer's (``precision.exact_mismatch: stop``, or the
+    start-up self-check): the job stops before an update on them; the message is one line."""
 
 
 class Trainer:
@@ -100,6 +105,11 @@ class Trainer:
     def engine(self) -> Optional[RolloutEngine]:
         """The rollout engine (the colocation's, once started)."""
         return None if self.colocation is None else self.colocation.engine
+
+    @property
+    def engine_description(self) -> str:
+        """The rollout engine and its version, for a message."""
+        return engine_kind(self.job.rollout).describe()
 
     # ------------------------------------------------------------------ the loop
 
@@ -223,17 +233,18 @@ class Trainer:
         groups = [Group(p.index, p.token_ids, r) for p, r in zip(prompts, responses, strict=True)]
         return groups, sum(p[1] for p in parts), sum(p[2] for p in parts)
 
-    def prepare_update(self, batch):
-        """Old logprobs (the rollout's in bypass mode and with an exact rollout), reference logprobs
-        for the KL penalty, rollout correction and the mismatch metrics; returns the batch with those
-        fields, the metrics and the FP8 KV-cache scales the logprob pass calibrated (None without
-        that pass or without an FP8 KV cache)."""
+    def prepare_update(self, batch, *, recompute: bool = False):
+        """Old logprobs (the rollout's in bypass mode and with an exact rollout, unless ``recompute``:
+        a step whose exact rollout did not hold), reference logprobs for the KL penalty, rollout
+        correction and the mismatch metrics; returns the batch with those fields, the metrics and the
+        FP8 KV-cache scales the logprob pass calibrated (None without that pass or without an FP8 KV
+        cache)."""
         corr_settings = self.job.algo.correction
         fields = dict(batch.fields)
         metrics: dict = {}
         kv_scales = None
         rollout_lp, mask = fields["rollout_logprobs"], fields["loss_mask"]
-        if corr_settings.bypass or self.job.precision.exact:
+        if not recompute and (corr_settings.bypass or self.job.precision.exact):
             fields["old_logprobs"] = rollout_lp
         else:
             out = self.actor.compute_logprobs(batch, kv_scales=self.job.rollout.fp8_kv_cache)
@@ -253,15 +264,44 @@ class Trainer:
         unless the rollout is exact with an FP8 KV cache: then no logprob pass measures them). With
         an exact rollout, also the mismatch metrics of the step's forward (computed with the weights
         the rollout used) against the rollout's logprobs: ``rollout_corr/k3_kl`` 0 and
-        ``rollout_corr/unequal_tokens`` 0 when it holds."""
+        ``rollout_corr/unequal_tokens`` 0 when it holds. Where they are not 0 the rollout's logprobs
+        are not π_old, and the optimizer step is not taken on them: ``precision.exact_mismatch``
+        stops the job (``ExactMismatch``) or updates again with recomputed, corrected old logprobs."""
         if not self.job.precision.exact:
             return {f"actor/{k}": v for k, v in self.actor.update(batch, self.loss_fn).items()}, None
         measure = self.job.rollout.fp8_kv_cache
+        rollout_lp, mask = batch.fields["rollout_logprobs"], batch.fields["loss_mask"]
+        mismatch: dict[str, float] = {}
+
+        def exact(logprobs: torch.Tensor) -> bool:  # before the optimizer step; every rank sees the whole batch
+            mismatch.update(mismatch_metrics(logprobs, rollout_lp, mask))
+            return not self._any_rank(mismatch["rollout_corr/unequal_tokens"] > 0)
+
         with self.actor.kv_scale_meter() if measure else contextlib.nullcontext() as meter:
-            out, logprobs = self.actor.update(batch, self.loss_fn, with_logprobs=True)
+            out, _ = self.actor.update(batch, self.loss_fn, with_logprobs=True, before_step=exact)
         metrics = {f"actor/{k}": v for k, v in out.items()}
-        metrics.update(mismatch_metrics(logprobs, batch.fields["rollout_logprobs"], batch.fields["loss_mask"]))
+        metrics.update(mismatch)
+        metrics["exact/corrected_step"] = 0.0
+        if mismatch["rollout_corr/unequal_tokens"] > 0:
+            problem = self._exact_mismatch_line(mismatch)
+            if self.job.precision.exact_mismatch == "stop":
+                raise ExactMismatch(problem + "; the step's update was not applied and this step is not saved. "
+                                    "Continue from the last checkpoint with precision.exact_mismatch=correct "
+                                    "(such steps recompute and correct their old logprobs) or precision.exact=false")
+            self.console.log(f"WARNING: {problem}; recomputing this step's old logprobs and updating with "
+                             f"algo.correction (mode {self.job.algo.correction.mode})")
+            corrected, extra, _ = self.prepare_update(batch, recompute=True)
+            metrics = {f"actor/{k}": v for k, v in self.actor.update(corrected, self.loss_fn).items()}
+            metrics.update({**extra, **{f"exact/{k.rpartition('/')[2]}": v for k, v in mismatch.items()},
+                            "exact/corrected_step": 1.0})
         return metrics, meter.scales if measure else None
+
+    def _exact_mismatch_line(self, mismatch: dict[str, float]) -> str:
+        """What a step whose rollout was not exact found, in one line (the engine and its version included)."""
+        unequal, dlogp = mismatch["rollout_corr/unequal_tokens"], mismatch["rollout_corr/max_abs_dlogp"]
+        return (f"precision.exact: at step {self.step} the update's forward gave {unequal:.0f} response tokens "
+                f"other logprobs than the rollout (max |Δlogp| {dlogp:.3g}, k3 {mismatch['rollout_corr/k3_kl']:.3g}; "
+                f"{self.engine_description})")
 
     def sync_weights(self, kv_scales: Optional[torch.Tensor] = None) -> None:
         """The actor's weights (its FP8 bytes and scales) into the engine and, when the engine keeps
@@ -322,11 +362,43 @@ class Trainer:
         self.sync = WeightSync(plan, self.rank, device=self.device)
         self.colocation.train_mode()
         self.sync_weights()
+        if self.job.precision.exact:
+            self.exact_self_check()
         if fresh and self.job.run.eval_every:
             metrics = self.evaluate()
             self.metrics.log(0, metrics)
             self.console.step_done(0, metrics, CONSOLE_KEYS)
         return True
+
+    SELF_CHECK_PROMPTS = 8
+    SELF_CHECK_TOKENS = 32
+
+    def exact_self_check(self) -> dict[str, float]:
+        """Before the first step of an exact job: the engine samples a response to each of the first
+        ``SELF_CHECK_PROMPTS`` training prompts (temperature 1, ``SELF_CHECK_TOKENS`` new tokens) and
+        the trainer scores them; any response token whose logprob is not the engine's ends the start
+        with ``ExactMismatch`` (whatever ``precision.exact_mismatch`` says: a job must not begin on a
+        rollout it cannot trust), naming the engine and its version. Returns the mismatch metrics."""
+        prompts = [self.train_set[i] for i in range(min(self.SELF_CHECK_PROMPTS, len(self.train_set)))]
+        sampling = dataclasses.replace(self.sampling, n=1, temperature=1.0, top_p=1.0, top_k=-1,
+                                       max_new_tokens=self.SELF_CHECK_TOKENS, stop_token_ids=())
+        self.colocation.rollout_mode()
+        mine, samples = self.generate(prompts, sampling, seed=self._seed(0))
+        groups, _, _ = self.score(prompts, mine, samples, sampling)
+        self.colocation.train_mode()
+        batch = training_batch(groups, torch.zeros(sum(len(g.responses) for g in groups)), mask_truncated=False)
+        logprobs = self.actor.compute_logprobs(batch).logprobs
+        metrics = mismatch_metrics(logprobs, batch.fields["rollout_logprobs"], batch.fields["loss_mask"])
+        if self._any_rank(metrics["rollout_corr/unequal_tokens"] > 0):
+            raise ExactMismatch(
+                f"precision.exact: the start-up self-check found {metrics['rollout_corr/unequal_tokens']:.0f} of "
+                f"{batch.fields['loss_mask'].sum():.0f} sampled tokens whose trainer logprob is not the engine's "
+                f"(max |Δlogp| {metrics['rollout_corr/max_abs_dlogp']:.3g}; {self.engine_description}): the exact "
+                "rollout does not hold on this machine and engine; run with precision.exact=false (the default FP8 "
+                "rollout, with its recompute and correction), and report the engine version and GPU")
+        self.console.log(f"precision.exact: the start-up self-check's {batch.fields['loss_mask'].sum():.0f} sampled "
+                         f"tokens have the trainer's logprobs bit for bit ({self.engine_description})")
+        return metrics
 
     def _initial_weights(self) -> Optional[Path]:
         if self.job.sft.steps:

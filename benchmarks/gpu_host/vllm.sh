@@ -20,7 +20,8 @@
 # and keep their length), engine-two (two GPUs), rl (the RL loop on vLLM; rl-exact: its
 # exact-mode runs only; rl-exact-kv: those with an FP8 KV cache), actor-close (the actor's close
 # frees its memory), exact (the exact rollout's one-GPU tests; exact-tiny / exact-8b: at the tiny
-# model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs; exact-kv: with an FP8 KV cache),
+# model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs; exact-kv: with an FP8 KV cache;
+# exact-guard: the start-up self-check and the per-step guard against a fault put into the engine),
 # te-attention (the native layers' Transformer Engine attention, actor.attention_impl=te; needs
 # --with-te), or a test file.
 # --ablation "ARGS": benchmarks/exact_ablation.py all ARGS (e.g. "--models tiny,8b6 --runs exact:fp8"),
@@ -105,6 +106,7 @@ for t in $tests; do
     exact-8b) f=tests/gpu/test_exact.py; k="8b_widths" ;;
     exact-two) f=tests/gpu/test_exact.py; k="equal_tp_2" ;;
     exact-kv) f=tests/gpu/test_exact.py; k="fp8_kv_cache" ;;
+    exact-guard) f=tests/gpu/test_exact_guard.py; k="" ;;
     te-attention) f=tests/gpu/test_te_backend.py; k="packed_attention" ;;
     *) f=$t; k="" ;;
   esac

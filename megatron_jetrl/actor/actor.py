@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -197,13 +197,19 @@ class Actor:
             if isinstance(m, PackedCoreAttention):
                 m.exact_kv_scales = on_device[m.layer_number - 1].contiguous()
 
-    def update(self, batch: PackedBatch, loss_fn: LossFn, *, with_logprobs: bool = False):
+    def update(self, batch: PackedBatch, loss_fn: LossFn, *, with_logprobs: bool = False,
+               before_step: Optional[Callable[[torch.Tensor], bool]] = None):
         """One optimizer step on ``batch`` with ``loss_fn`` (see ``megatron_jetrl.algo.LossInputs``);
         returns the batch's metrics: the loss function's, plus ``entropy``, ``grad_norm``, ``lr``,
-        ``loss_scale``, ``update_skipped`` (FP16 overflow), ``tokens``, ``micro_batches`` and
-        ``update_time_s``. With ``with_logprobs``, returns (metrics, logprobs): also the per-token
-        log π of the step's own forward ([T], fp32, CPU, as ``compute_logprobs``), computed with
-        the weights before the step, i.e. the weights the batch was generated with."""
+        ``loss_scale``, ``update_skipped`` (FP16 overflow, or ``before_step`` said no), ``tokens``,
+        ``micro_batches`` and ``update_time_s``. With ``with_logprobs``, returns (metrics, logprobs):
+        also the per-token log π of the step's own forward ([T], fp32, CPU, as ``compute_logprobs``),
+        computed with the weights before the step, i.e. the weights the batch was generated with.
+        ``before_step(logprobs) -> bool`` (with ``with_logprobs``; called on every rank, which must
+        answer alike): after the forward and backward, whether to take the optimizer step; False
+        leaves the weights, the optimizer state and the schedule as they were."""
+        if before_step is not None and not with_logprobs:
+            raise ValueError("before_step looks at the step's own logprobs: pass with_logprobs=True")
         self._check_batch(batch, need_loss_mask=True)
         start = time.perf_counter()
         self.model.train()
@@ -222,7 +228,10 @@ class Actor:
             local = self._pipeline_results(outputs, micro_batches, ("logprobs",))
             logprobs = self._gather_data_parallel(local, plan, batch)["logprobs"]
             outputs = [{k: v for k, v in o.items() if k != "logprobs"} for o in outputs]
-        ok, grad_norm, _ = self.optimizer.step()
+        if before_step is None or before_step(logprobs):
+            ok, grad_norm, _ = self.optimizer.step()
+        else:  # the gradients are dropped unused: the next update zeroes them
+            ok, grad_norm = False, None
         if ok:
             self.scheduler.step(increment=1)
             self.steps += 1

@@ -335,9 +335,11 @@ def _check_exact(job: JobConfig) -> None:
          "flash_attn"),
         ("rollout.vllm.activation_quant", vllm.activation_quant, vllm.activation_quant == "trainer",
          "vLLM must quantize activations with the trainer's kernel: set rollout.vllm.activation_quant=trainer"),
-        ("algo.correction.mode", job.algo.correction.mode, job.algo.correction.mode == "none",
+        ("algo.correction.mode", job.algo.correction.mode,
+         job.algo.correction.mode == "none" or job.precision.exact_mismatch == "correct",
          "with an exact rollout the trainer's logprobs equal the rollout's: there is nothing to correct, set "
-         "algo.correction.mode=none"),
+         "algo.correction.mode=none (or precision.exact_mismatch=correct: the correction for steps where "
+         "exactness fails)"),
     ]
     for key, value, ok, fix in need:
         if not ok:
@@ -467,11 +469,12 @@ class Resolved:
         prompt a few tokens a step (``ops.exact.FP8_KV_QUERY_ROWS``), which a user should know."""
         if not job.precision.exact:
             return ""
+        status = engine_kind(job.rollout).exact_status()
         if not job.rollout.fp8_kv_cache:
-            return ", exact rollout"
+            return f", exact rollout ({status})"
         d = self.bridge.dims
         return (f", exact rollout with an FP8 KV cache (vLLM prefills a prompt "
-                f"{fp8_kv_query_chunk(d.num_heads, d.num_groups)} tokens a step)")
+                f"{fp8_kv_query_chunk(d.num_heads, d.num_groups)} tokens a step; {status})")
 
     @staticmethod
     def _rollout_gemm_note(job: JobConfig) -> str:

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
@@ -96,11 +96,16 @@ class PrecisionRecipe:
     """``exact``: the rollout engine and the trainer's forward compute every op with the same
     kernel, so the engine's logprob of every sampled token equals the trainer's bit for bit
     (``ops/exact.py``, ``rollout/vllm_exact.py``, ``actor/exact.py``); the rollout's logprobs are
-    then the old policy's. Other job settings it needs are checked with the job (``job/config.py``)."""
+    then the old policy's. Other job settings it needs are checked with the job (``job/config.py``).
+    ``exact_mismatch``: what a step does when the update's own forward finds a token whose logprob is
+    not the rollout's (the exact rollout does not hold there: another vLLM, GPU or driver): ``stop``
+    (the default) ends the job before that step's optimizer step, saving nothing; ``correct``
+    recomputes the step's old logprobs, applies ``algo.correction`` and updates with those, saying so."""
 
     mode: PrecisionMode = PrecisionMode.FP8
     fp8: Fp8Options = field(default_factory=Fp8Options)
     exact: bool = False
+    exact_mismatch: Literal["stop", "correct"] = "stop"
 
     def __post_init__(self) -> None:
         try:
@@ -116,12 +121,18 @@ class PrecisionRecipe:
             modes = " and ".join(m.value for m in EXACT_MODES)
             raise ConfigError("precision.exact", True, f"an exact rollout exists for precision.mode {modes}; "
                               f"mode {self.mode.value!r} has none (set precision.exact=false)")
+        if self.exact_mismatch not in ("stop", "correct"):
+            raise ConfigError("precision.exact_mismatch", self.exact_mismatch, "must be 'stop' or 'correct'")
+        if self.exact_mismatch != "stop" and not self.exact:
+            raise ConfigError("precision.exact_mismatch", self.exact_mismatch,
+                              "says what an exact rollout does when exactness fails; set precision.exact=true, or "
+                              "leave precision.exact_mismatch out")
 
     def to_dict(self) -> dict[str, Any]:
         fp8 = dataclasses.asdict(self.fp8)
         for k in ("weight_block", "activation_group", "grad_group"):
             fp8[k] = list(fp8[k])
-        return {"mode": self.mode.value, "fp8": fp8, "exact": self.exact}
+        return {"mode": self.mode.value, "fp8": fp8, "exact": self.exact, "exact_mismatch": self.exact_mismatch}
 
     @property
     def train_fp8(self) -> bool:

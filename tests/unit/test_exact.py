@@ -306,8 +306,30 @@ def test_the_plan_says_how_an_exact_fp8_kv_engine_prefills():
     plain = load_job("examples/configs/tiny_countdown.yaml", EXACT)
     kv = load_job("examples/configs/tiny_countdown.yaml", [*EXACT, "rollout.vllm.kv_cache_dtype=fp8"])
     line = next(x for x in resolve(kv, 1).describe(kv) if x.startswith("precision"))
-    assert line.endswith("exact rollout with an FP8 KV cache (vLLM prefills a prompt 32 tokens a step)"), line
-    assert next(x for x in resolve(plain, 1).describe(plain) if x.startswith("precision")).endswith(", exact rollout")
+    assert "exact rollout with an FP8 KV cache (vLLM prefills a prompt 32 tokens a step; vLLM " in line, line
+    plain_line = next(x for x in resolve(plain, 1).describe(plain) if x.startswith("precision"))
+    assert ", exact rollout (vLLM " in plain_line, plain_line
+
+
+def test_check_says_whether_the_engines_exactness_was_verified_on_a_gpu(monkeypatch):
+    """The exact rollout was verified on a GPU with vLLM 0.26; another version may run it, and the
+    start-up self-check of every exact job decides: ``jetrl check``'s precision line says which."""
+    import importlib.metadata
+
+    from megatron_jetrl.rollout.engines import ENGINES
+
+    vllm = ENGINES["vllm"]
+    for version, want in (("0.26.0", "vLLM 0.26.0: exactness GPU-verified"),
+                          ("0.32.0", "vLLM 0.32.0: exactness not GPU-verified on this version, the start-up "
+                                     "self-check decides")):
+        monkeypatch.setattr(importlib.metadata, "version", lambda package, v=version: v)
+        assert vllm.exact_status() == want and vllm.describe() == f"vllm engine, vLLM {version}"
+
+    def missing(package):
+        raise importlib.metadata.PackageNotFoundError(package)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert vllm.exact_status() == "vLLM not installed here"
 
 
 def test_models_the_exact_forward_cannot_compute_are_refused():
@@ -335,18 +357,28 @@ def test_an_exact_model_with_a_module_left_behind_is_refused():
         check_exact(model)
 
 
-def _trainer_double(exact: bool, update_logprobs: torch.Tensor, overrides=()):
+def _trainer_double(exact: bool, update_logprobs: torch.Tensor, overrides=(), recompute_allowed=False):
+    from megatron_jetrl.trainer import Trainer
+
     class Actor:
         calls: list = []
         measured = torch.full((2, 3), 0.25)
 
-        def update(self, batch, loss_fn, *, with_logprobs=False):
+        stepped = 0
+
+        def update(self, batch, loss_fn, *, with_logprobs=False, before_step=None):
             self.calls.append(("update", with_logprobs))
-            return ({"loss": 0.5}, update_logprobs.clone()) if with_logprobs else {"loss": 0.5}
+            if before_step is None or before_step(update_logprobs.clone()):
+                self.stepped += 1
+            if not with_logprobs:
+                return {"loss": 0.5, "old_logprobs_seen": batch.fields["old_logprobs"].clone()}
+            return {"loss": 0.5}, update_logprobs.clone()
 
         def compute_logprobs(self, batch, **kw):
             self.calls.append(("compute_logprobs",))
-            raise AssertionError("the exact trainer skips the recompute pass")
+            if not recompute_allowed:
+                raise AssertionError("the exact trainer skips the recompute pass")
+            return SimpleNamespace(logprobs=update_logprobs.clone(), kv_scales=None)
 
         @contextlib.contextmanager
         def kv_scale_meter(self):
@@ -363,9 +395,15 @@ def _trainer_double(exact: bool, update_logprobs: torch.Tensor, overrides=()):
 
     job = load_job("examples/configs/tiny_countdown.yaml", [*(EXACT if exact else []), *overrides])
     synced = []
-    return SimpleNamespace(job=job, actor=Actor(), loss_fn=None, kv_scales=torch.ones(2, 3), engine=None,
-                           sync=SimpleNamespace(sync=lambda shards, engine, kv_scales: synced.append(kv_scales)),
-                           colocation=SimpleNamespace(synced=lambda: None), synced=synced)
+    logged: list[str] = []
+    double = SimpleNamespace(job=job, actor=Actor(), loss_fn=None, kv_scales=torch.ones(2, 3), engine=None,
+                             sync=SimpleNamespace(sync=lambda shards, engine, kv_scales: synced.append(kv_scales)),
+                             colocation=SimpleNamespace(synced=lambda: None), synced=synced, step=7,
+                             engine_description="vllm engine, vLLM 0.32.0", _any_rank=lambda flag: flag,
+                             console=SimpleNamespace(log=logged.append), logged=logged)
+    double._exact_mismatch_line = lambda mismatch: Trainer._exact_mismatch_line(double, mismatch)
+    double.prepare_update = lambda batch, **kw: Trainer.prepare_update(double, batch, **kw)
+    return double
 
 
 def _two_sequences(rollout):
@@ -388,11 +426,68 @@ def test_the_exact_trainer_skips_the_recompute_and_measures_the_update_forward()
     m, measured = Trainer.update(trainer, prepared)
     assert trainer.actor.calls == [("update", True)] and m["actor/loss"] == 0.5 and measured is None
     assert m["rollout_corr/k3_kl"] == 0 and m["rollout_corr/unequal_tokens"] == 0
-    # one token one ulp off: the metrics say so
+    assert trainer.actor.stepped == 1 and m["exact/corrected_step"] == 0
+
+
+def _one_ulp_off(rollout: torch.Tensor) -> torch.Tensor:
     off = rollout.clone()
     off[4] = torch.nextafter(off[4], torch.tensor(0.0))
-    m, _ = Trainer.update(_trainer_double(True, off), prepared)
-    assert m["rollout_corr/unequal_tokens"] == 1 and m["rollout_corr/max_abs_dlogp"] > 0
+    return off
+
+
+def test_a_step_whose_rollout_was_not_exact_stops_the_job_before_its_optimizer_step():
+    """precision.exact_mismatch=stop (the default): one token one ulp off in the update's forward, and
+    the job stops with one line (the step, the tokens, max |Δlogp|, the engine's version, what to do);
+    the optimizer step on the rollout's logprobs is not taken. The negative control: exact logprobs step."""
+    from megatron_jetrl.trainer import ExactMismatch, Trainer
+
+    rollout = torch.tensor([0.0, -1.0, -2.0, 0.0, -0.25, -3.0])
+    trainer = _trainer_double(True, _one_ulp_off(rollout))
+    prepared, _, _ = Trainer.prepare_update(trainer, _two_sequences(rollout))
+    with pytest.raises(ExactMismatch) as e:
+        Trainer.update(trainer, prepared)
+    line = str(e.value)
+    assert "\n" not in line and "step 7" in line and "gave 1 response tokens" in line and "vLLM 0.32.0" in line
+    assert "precision.exact_mismatch=correct" in line and "not applied" in line
+    assert trainer.actor.stepped == 0 and trainer.actor.calls == [("update", True)]
+    exact = _trainer_double(True, rollout)
+    Trainer.update(exact, prepared)
+    assert exact.actor.stepped == 1
+
+
+def test_with_exact_mismatch_correct_such_a_step_recomputes_and_corrects_loudly():
+    """precision.exact_mismatch=correct: the step's optimizer step on the rollout's logprobs is not
+    taken; the old logprobs are recomputed, algo.correction applied (its weights in the batch), and the
+    update runs on those; the console says so, the metrics mark the step."""
+    from megatron_jetrl.trainer import Trainer
+
+    rollout = torch.tensor([0.0, -1.0, -2.0, 0.0, -0.25, -3.0])
+    off = _one_ulp_off(rollout)
+    trainer = _trainer_double(True, off, ["precision.exact_mismatch=correct", "algo.correction.mode=token_tis"],
+                              recompute_allowed=True)
+    prepared, _, _ = Trainer.prepare_update(trainer, _two_sequences(rollout))
+    m, _ = Trainer.update(trainer, prepared)
+    assert trainer.actor.calls == [("update", True), ("compute_logprobs",), ("update", False)]
+    assert trainer.actor.stepped == 1  # the corrected update only
+    assert torch.equal(m["actor/old_logprobs_seen"], off)  # the recomputed old logprobs
+    assert m["exact/corrected_step"] == 1 and m["exact/unequal_tokens"] == 1 and m["rollout_corr/unequal_tokens"] == 1
+    assert "rollout_corr/is_weight_mean" in m  # the configured correction ran
+    assert len(trainer.logged) == 1 and trainer.logged[0].startswith("WARNING: precision.exact: at step 7")
+
+
+def test_exact_mismatch_settings_are_checked_with_the_job():
+    with pytest.raises(ConfigError) as e:
+        load_job("examples/configs/tiny_countdown.yaml", ["precision.exact_mismatch=correct"])
+    assert e.value.key == "precision.exact_mismatch" and "precision.exact=true" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_job("examples/configs/tiny_countdown.yaml", [*EXACT, "precision.exact_mismatch=fix"])
+    assert e.value.key == "precision.exact_mismatch"
+    with pytest.raises(ConfigError) as e:  # a correction with nothing to correct
+        load_job("examples/configs/tiny_countdown.yaml", [*EXACT, "algo.correction.mode=token_tis"])
+    assert e.value.key == "algo.correction.mode" and "exact_mismatch=correct" in str(e.value)
+    job = load_job("examples/configs/tiny_countdown.yaml",
+                   [*EXACT, "precision.exact_mismatch=correct", "algo.correction.mode=token_tis"])
+    assert job.precision.exact_mismatch == "correct" and load_job(None, raw=job.to_dict()) == job
 
 
 def test_with_an_fp8_kv_cache_the_exact_update_measures_the_scales_both_sides_then_use():
@@ -585,3 +680,57 @@ def test_the_exact_swiglu_is_megatrons_eager_forward_with_its_compiled_gradient(
     model.mlp.activation_func = F.silu
     with pytest.raises(RuntimeError, match=r"mlp.activation_func \(silu\)"):
         check_exact(model)
+
+
+def _self_check_double(trainer_logprobs):
+    """A trainer whose engine samples two responses (the rollout's logprobs fixed) and whose actor
+    scores them with ``trainer_logprobs`` (per packed token); it records the colocation's moves."""
+    from megatron_jetrl.data.datasets import Prompt
+    from megatron_jetrl.experience import Group, Response
+    from megatron_jetrl.rollout import SamplingParams
+    from megatron_jetrl.trainer import Trainer
+
+    moves, logged = [], []
+    prompts = [Prompt(i, (1, 2), None, "p") for i in range(20)]
+    responses = {0: Response([3, 4], [-0.5, -1.0], True, 0.0, 0.0), 1: Response([5, 6], [-0.25, -2.0], True, 0.0, 0.0)}
+
+    def generate(ps, sampling, *, seed):
+        moves.append(("generate", len(ps), sampling.n, sampling.max_new_tokens, sampling.temperature))
+        return list(range(len(ps))), None
+
+    def score(ps, mine, samples, sampling):
+        return [Group(i, (1, 2), [responses[i % 2]]) for i in range(len(ps))], 0, 0
+
+    double = SimpleNamespace(
+        train_set=prompts, sampling=SamplingParams(n=8, temperature=0.7, max_new_tokens=512, stop_token_ids=(9,)),
+        colocation=SimpleNamespace(rollout_mode=lambda: moves.append("rollout"),
+                                   train_mode=lambda: moves.append("train")),
+        generate=generate, score=score, _seed=lambda r: 5, _any_rank=lambda flag: flag,
+        console=SimpleNamespace(log=logged.append), engine_description="vllm engine, vLLM 0.32.0",
+        actor=SimpleNamespace(compute_logprobs=lambda batch: SimpleNamespace(logprobs=trainer_logprobs(batch))),
+        moves=moves, logged=logged, SELF_CHECK_PROMPTS=Trainer.SELF_CHECK_PROMPTS,
+        SELF_CHECK_TOKENS=Trainer.SELF_CHECK_TOKENS)
+    return double
+
+
+def test_an_exact_job_starts_only_after_its_self_check_finds_the_engines_logprobs():
+    """Before step 1: a few of the first prompts sampled by the engine (one response each, temperature
+    1, no stops) and scored by the trainer; equal bits: the start goes on, saying so. One token one ulp
+    off: the start ends with one line naming the engine's version and the fix (the negative control)."""
+    from megatron_jetrl.trainer import ExactMismatch, Trainer
+
+    same = _self_check_double(lambda batch: batch.fields["rollout_logprobs"].clone())
+    metrics = Trainer.exact_self_check(same)
+    assert metrics["rollout_corr/unequal_tokens"] == 0 and metrics["rollout_corr/k3_kl"] == 0
+    assert same.moves == ["rollout", ("generate", 8, 1, 32, 1.0), "train"]
+    assert len(same.logged) == 1 and "16 sampled tokens have the trainer's logprobs bit for bit" in same.logged[0]
+
+    def one_off(batch):
+        lp = batch.fields["rollout_logprobs"].clone()
+        lp[3] = torch.nextafter(lp[3], torch.tensor(0.0))
+        return lp
+
+    with pytest.raises(ExactMismatch) as e:
+        Trainer.exact_self_check(_self_check_double(one_off))
+    line = str(e.value)
+    assert "found 1 of 16 sampled tokens" in line and "vLLM 0.32.0" in line and "precision.exact=false" in line

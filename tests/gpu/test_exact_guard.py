@@ -1,0 +1,83 @@
+"""The exact rollout's guards on a real engine (``precision.exact``, vLLM): a fault put into the engine's
+weights after a sync (tests/gpu/exact_guard_run.py flips one E4M3 step in 128 of its FP8 codes) makes its
+logprobs differ from the trainer's, and
+- at the start (the first sync): the start-up self-check refuses to begin (exit 3, one line);
+- from the second sync, ``precision.exact_mismatch=stop`` (the default): step 2's update finds it and
+  the job stops before that step's optimizer step (exit 3, one line, nothing of step 2 logged or saved);
+- from the second sync, ``precision.exact_mismatch=correct``: steps 2 and 3 recompute their old
+  logprobs, apply the configured correction and go on (``exact/corrected_step`` 1), exit 0;
+- the negative control: no fault, every step exact (``rollout_corr/unequal_tokens`` 0, none corrected).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.gpu.conftest import requires_vllm
+
+pytestmark = [pytest.mark.gpu, requires_vllm]
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "configs" / "tiny_countdown.yaml"
+RUN = Path(__file__).with_name("exact_guard_run.py")
+EXACT = ("rollout.engine=vllm", "precision.mode=fp8", "precision.exact=true", "run.steps=3", "run.save_every=1",
+         "run.eval_every=0", "sft.steps=0", "log.console=false")
+
+
+def _run(tmp_path: Path, perturb_from: int, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, str(RUN), "--perturb-from", str(perturb_from), "--", str(CONFIG),
+                           f"run.dir={run_dir}", *EXACT, *overrides], env=env, capture_output=True, text=True,
+                          timeout=900)
+    (tmp_path / "run.log").write_text(proc.stdout + proc.stderr)
+    metrics = run_dir / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    return proc, [m for m in lines if m.get("step", 0) > 0]
+
+
+def _errors(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("exact rollout error:")]
+
+
+def test_an_engine_off_the_trainers_weights_at_start_is_refused(tmp_path):
+    proc, steps = _run(tmp_path, 1)
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    errors = _errors(proc)
+    assert len(errors) == 1 and "start-up self-check found" in errors[0] and "vLLM 0.2" in errors[0], errors
+    assert steps == []
+
+
+def test_a_step_off_the_trainer_stops_the_job_before_its_update(tmp_path):
+    proc, steps = _run(tmp_path, 2)
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    errors = _errors(proc)
+    assert len(errors) == 1 and "at step 2" in errors[0] and "not applied" in errors[0], errors
+    assert [m["step"] for m in steps] == [1] and steps[0]["rollout_corr/unequal_tokens"] == 0
+    saved = sorted(p.name for p in (tmp_path / "run").rglob("step_*") if p.is_dir())
+    assert "step_00000001" in saved and not any(name.startswith("step_00000002") for name in saved), saved
+
+
+def test_with_exact_mismatch_correct_the_steps_off_are_corrected(tmp_path):
+    proc, steps = _run(tmp_path, 2, "precision.exact_mismatch=correct", "algo.correction.mode=token_tis")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["exact/corrected_step"] for m in steps] == [0, 1, 1]
+    assert all(m["exact/unequal_tokens"] > 0 for m in steps[1:]) and steps[0]["rollout_corr/unequal_tokens"] == 0
+    assert "WARNING: precision.exact: at step 2" in proc.stdout + proc.stderr
+
+
+def test_without_a_fault_every_step_is_exact(tmp_path):
+    proc, steps = _run(tmp_path, 0)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["rollout_corr/unequal_tokens"] == 0 and m["exact/corrected_step"] == 0 for m in steps)
+    assert "start-up self-check's" in proc.stdout + proc.stderr
