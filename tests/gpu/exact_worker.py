@@ -18,6 +18,8 @@ tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
 - exact_fallback: an engine whose norm / activation / rotary replacements were not installed (as
   if vLLM ignored them) must refuse to start, naming the modules; an actor whose modules are not
   all exact must refuse too.
+- grad_<mode>_<exact|default>: one update's gradients (no optimizer step) of 2 layers at Qwen3-8B
+  widths from the same initialisation and batch, saved for the test to compare across processes.
 """
 
 from __future__ import annotations
@@ -196,6 +198,40 @@ class Scenarios(VllmScenarios):
 
         self._exact("exact_fp8_8b6_tp2", "fp8", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
                     memory=0.25, tp=2)
+
+    def _gradients(self, name: str, mode: str, exact: bool) -> None:
+        """One update's gradients (no optimizer step) of 2 layers at Qwen3-8B widths, megatron's
+        initialisation from the actor's seed, on make_batch's packed sequences: every parameter's
+        fp32 main grad saved to ``root/NAME.pt`` (the test compares the exact and default processes).
+        The exact process runs in vLLM's batch-invariant mode, as an exact job's trainer does."""
+        from benchmarks.bench_actor_step import enter_exact_process
+        from benchmarks.model_shapes import qwen3_8b_shaped
+
+        recipe = PrecisionRecipe(mode=mode, exact=exact)
+        if exact:
+            enter_exact_process(recipe)
+        settings = ActorSettings(precision=recipe, max_tokens_per_microbatch=8192,
+                                 optimizer=OptimizerSettings(lr=1e-4, weight_decay=0.0, clip_grad=1.0))
+        actor = Actor(bridge_for(qwen3_8b_shaped(2)), settings)
+        batch = make_batch(actor.bridge.dims.vocab_size, seed=21)
+        metrics = actor.update(batch, cross_entropy_loss, with_logprobs=True, before_step=lambda logprobs: False)[0]
+        grads = {n: p.main_grad.detach().float().cpu().clone() for n, p in actor.model.named_parameters()}
+        torch.save(grads, self.root / f"{name}.pt")
+        self.record(name, {"grad_norm": float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))),
+                           "params": len(grads), "skipped": metrics["update_skipped"], "steps": actor.steps})
+        actor.close()
+
+    def grad_fp8_default(self):
+        self._gradients("grad_fp8_default", "fp8", exact=False)
+
+    def grad_fp8_exact(self):
+        self._gradients("grad_fp8_exact", "fp8", exact=True)
+
+    def grad_bf16_default(self):
+        self._gradients("grad_bf16_default", "bf16", exact=False)
+
+    def grad_bf16_exact(self):
+        self._gradients("grad_bf16_exact", "bf16", exact=True)
 
     def exact_fallback(self):
         """Neither side starts with a module left on a non-exact kernel."""
