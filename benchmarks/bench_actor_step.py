@@ -115,7 +115,8 @@ measured mode is faster), spread over the paired repeats (``Figure.ratio``)."""
 
 def speedups(by_mode: Mapping[str, Mapping]) -> dict[str, Figure]:
     """The ``RATIOS`` whose two modes both ran, from each mode's row (``run_mode``)."""
-    return {key: Figure.ratio(by_mode[base][timings], by_mode[measured][timings])
+    return {key: Figure.ratio(by_mode[base][timings], by_mode[measured][timings]).against(
+                f"the {base} mode's {timings.split('_')[0]} in the same process, steps paired one by one")
             for key, (base, measured, timings) in RATIOS.items() if base in by_mode and measured in by_mode}
 
 
@@ -276,7 +277,7 @@ def check_memory(args, capacity_gib: float) -> None:
                      f"plan) and this GPU has {capacity_gib:.0f} GiB: {fix} (or --skip-memory-check)")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b", choices=["qwen3-8b", "qwen3-4b"])
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 12 of Qwen3-8B; all of 4B)")
@@ -298,6 +299,11 @@ def main() -> int:
                     help="build even where the memory plan says the modes do not fit the GPU")
     ap.add_argument("--find-syncs", action="store_true",
                     help="list where one step synchronizes the host with the GPU (torch's sync debug mode)")
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     if args.layers is None:
         args.layers = 12 if args.model == "qwen3-8b" else 36

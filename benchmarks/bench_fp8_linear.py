@@ -309,7 +309,8 @@ def main(argv=None) -> int:
         # the layer's speed-up again, twice more (each a sum of per-shape medians): three repeats
         again = [total["speedup_weight_cached"]]
         again += [layer_total(linear_section(args.tokens))["speedup_weight_cached"] for _ in range(2)]
-        update(args.headline, {"linear_fp8_over_bf16": Figure.of(again)}, device=device,
+        figure = Figure.of(again).against("the BF16 linear (the same shapes and tokens, calls interleaved)")
+        update(args.headline, {"linear_fp8_over_bf16": figure}, device=device,
                command=command_line("benchmarks.bench_fp8_linear"))
 
     copy, quants = quant_section(args.tokens)

@@ -215,7 +215,10 @@ def decode_child(args) -> dict:
             t0 = time.perf_counter()
             samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=t, seed=1))
             walls.append(time.perf_counter() - t0)
-            assert all(len(s.tokens) == t for s in samples), "a sample stopped early"
+            short = [len(s.tokens) for s in samples if len(s.tokens) != t]
+            if short:  # not the same work in every mode: no tok/s to compare
+                raise RuntimeError(f"decode {args.mode} {case}: {len(short)} of {len(samples)} samples have "
+                                   f"{min(short)}-{max(short)} tokens, not {t} (a stop token ended them)")
         wall = statistics.median(walls)
         out["cases"][case] = {"batch": b, "tokens": t, "wall_s": wall, "tok_s": b * t / wall,
                               "tok_s_repeats": [b * t / w for w in walls]}
@@ -464,7 +467,8 @@ def step_config(run_dir: Path) -> dict:
     return {"layers": job["model"]["config"]["num_hidden_layers"],
             "response_len": job["rollout"]["sampling"]["max_new_tokens"],
             "offload_actor": job["rollout"]["offload_actor"],
-            "mb_tokens": job["actor"]["max_tokens_per_microbatch"]}
+            "mb_tokens": job["actor"]["max_tokens_per_microbatch"],
+            "fp8_gemm": job["rollout"]["vllm"]["fp8_gemm"]}
 
 
 # ------------------------------------------------------------------------------------------ table
@@ -564,15 +568,21 @@ def table(args) -> str:
             lines.append(f"{base + '/' + mode:>17} " + " ".join(f"{ratios[p].value:>8.2f}x" for p in phases)
                          + f" {ratios['step'].spread[0]:>6.2f}x-{ratios['step'].spread[1]:.2f}x")
             if equal_work and base == "bf16" and mode in STEP_HEADLINE:  # the product's FP8 rollouts over BF16
-                headline[STEP_HEADLINE[mode]] = (ratios["step"], step[mode])
+                against = "the BF16 step with its logprob recompute (the same run, one mode after the other)"
+                headline[STEP_HEADLINE[mode]] = (ratios["step"].against(against), step[mode])
                 if mode == "fp8":
-                    headline["rl_generate_fp8_over_bf16"] = (ratios["generate"], step[mode])
+                    headline["rl_generate_fp8_over_bf16"] = (ratios["generate"].against("BF16's generate phase"),
+                                                             step[mode])
         if "fp8" in step and "fp8-exact" in step:
             exact = Figure.ratio(timed["fp8"]["step"], timed["fp8-exact"]["step"])
             lines.append(f"{'fp8/exact':>17} {exact.value:>8.2f}x step ({exact.spread[0]:.2f}x-{exact.spread[1]:.2f}x; "
                          "the exact step skips the recompute of old logprobs)")
             if equal_work:
-                headline["rl_step_exact_over_default"] = (exact, step["fp8-exact"])
+                gemm = step["fp8"].get("config", {}).get("fp8_gemm", "the command's --fp8-gemm")
+                gemm = {"auto": "DeepGEMM", "deep_gemm": "DeepGEMM", "cutlass": "CUTLASS"}.get(gemm, gemm)
+                headline["rl_step_exact_over_default"] = (
+                    exact.against(f"the default FP8 step ({gemm}; with its logprob recompute), the same run"),
+                    step["fp8-exact"])
         for mode, r in step.items():
             if "profile" in r:
                 lines.extend(profile_lines(mode, r["profile"]))
@@ -612,14 +622,17 @@ def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Fig
         for m in ("fp8-deep_gemm", "fp8kv-deep_gemm"):  # the engine's default GEMM; CUTLASS: the table only
             if m in decode and target in decode[m]["cases"]:
                 out[f"vllm_decode_{m.replace('-', '_')}_over_bf16"] = (
-                    Figure.ratio(_tok_s(decode[m], target), _tok_s(decode["bf16"], target)), decode[m])
+                    Figure.ratio(_tok_s(decode[m], target), _tok_s(decode["bf16"], target)).against(
+                        "the BF16 engine, its default kernels (one process per mode, one after the other)"), decode[m])
     for key, (exact, default) in EXACT_PAIRS.items():
         e, d = decode.get(f"{exact}-deep_gemm"), decode.get(f"{default}-deep_gemm")
         if e is None or d is None or e.get("invocation") is None or e.get("invocation") != d.get("invocation"):
             continue
         for case, suffix in EXACT_CASES.items():
             if case in e["cases"] and case in d["cases"]:
-                out[key + suffix] = (Figure.ratio(_tok_s(e, case), _tok_s(d, case)), e)
+                out[key + suffix] = (Figure.ratio(_tok_s(e, case), _tok_s(d, case)).against(
+                    f"the default {default} engine: DeepGEMM, the trainer's activation quantization, vLLM's "
+                    "kernels elsewhere (the same invocation and GPU)"), e)
     default = next((decode[m] for m in ("fp8-deep_gemm", "fp8") if m in decode), None)  # the engine's GEMM first
     if default is not None:  # warm starts (decode --warm-start, in the figure's command) and the first one apart
         warm = default.get("engine_start_warm_s_all") or (

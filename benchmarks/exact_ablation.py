@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.headline import command_line
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {"tiny": {"prompts": 64, "n": 4, "new_tokens": 95, "prompt_len": 32, "memory": 0.2, "lr": 1e-3},
@@ -347,7 +349,11 @@ def run_all(args) -> None:
             print(f"{name}: rc={rc} in {time.perf_counter() - t0:.0f} s", flush=True)
             if rc != 0:
                 print("\n".join((work / f"{name}.log").read_text(errors="replace").splitlines()[-25:]), flush=True)
-    print(table(work, args.headline, "python -m benchmarks.exact_ablation " + " ".join(sys.argv[1:])))
+    command = command_line("benchmarks.exact_ablation")
+    for result in work.glob("*.json"):  # the command that made them travels with the results (table --headline)
+        data = json.loads(result.read_text())
+        result.write_text(json.dumps({**data, "command": data.get("command", command)}, indent=1))
+    print(table(work, args.headline, command))
 
 
 def table(work: Path, headline: str | None = None, command: str = "") -> str:
@@ -385,18 +391,20 @@ def table(work: Path, headline: str | None = None, command: str = "") -> str:
     if headline:
         from benchmarks.headline import update
 
-        update(headline, headline_figures(runs), device=next(iter(runs.values()))["device"],
-               command=command or default_command(runs))
+        first = next(iter(runs.values()))
+        update(headline, headline_figures(runs), device=first["device"],
+               command=command or first.get("command") or default_command(runs))
     return text
 
 
 def default_command(runs: dict[str, dict]) -> str:
-    """The ``all`` command that makes these results (their models, runs and seeds), then the table."""
+    """The ``all`` command that makes these results (their models, runs and seeds), then the table:
+    for results written before the command travelled with them (it says it was rebuilt)."""
     models = ",".join(sorted({r["model"] for r in runs.values()}))
     pairs = ",".join(sorted({f"{r['engine']}:{r['mode']}" for r in runs.values()}))
     seeds = min(len(repeats_of(r)) for r in runs.values())
     return (f"python -m benchmarks.exact_ablation all --models {models} --runs {pairs} --seeds {seeds} "
-            "(then table --headline)")
+            "(rebuilt from the results; then table --headline)")
 
 
 def repeats_of(run: dict) -> list[dict]:
@@ -424,7 +432,7 @@ def headline_figures(runs: dict[str, dict]) -> dict:
     return figures
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["all", "table", "_child"])
     p.add_argument("--models", default="tiny,8b6")
@@ -439,6 +447,11 @@ def main(argv=None) -> int:
     p.add_argument("--engine", choices=["default", "batch_invariant", "exact"])
     p.add_argument("--mode")
     p.add_argument("--result", type=Path)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds {args.seeds}: sample with at least one seed")

@@ -25,6 +25,7 @@ import os
 import shlex
 import statistics
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -82,7 +83,9 @@ KEYS = {  # key -> (what it is, target or "")
                                     "8B widths × the command's --step-layers (16 for the target)", "≥ 1.5×"),
     "rl_step_exact_fp8kv_over_bf16": ("the same, exact FP8 with an FP8 KV cache over BF16", "≥ 1.6×"),
     "rl_step_8b_full_fp8_over_bf16": ("whole RL step, Qwen3-8B at full size (36 layers) on every GPU of the device, "
-                                      "FP8 over BF16 (layout: the command's)", "≥ 1.3×"),
+                                      "FP8 over BF16 (layout: the command's), pooled over its ROUNDS; an entry of one "
+                                      "paired run is steps of that run alone: the 2026-11-27 one (1.28×) was not "
+                                      "reproduced by a second FP8 run, ~1.06× by its kernel profile", "≥ 1.3×"),
     "rl_step_8b_full_tokens_per_s_per_gpu": ("that FP8 step's tokens/s/GPU (NeMo-RL: 3,052, Llama-3.1-8B, 16 × H100)",
                                              ""),
     "rl_step_32b_fp8_over_bf16": ("whole RL step, Qwen3-32B shapes on every GPU of the device, FP8 over BF16", ""),
@@ -93,11 +96,19 @@ KEYS = {  # key -> (what it is, target or "")
 @dataclass(frozen=True)
 class Figure:
     """A headline number: the median of ``repeats`` measurements (1: a single one) and the lowest and
-    highest of them."""
+    highest of them; ``runs``: how many separate runs (processes, invocations) those repeats pool (1:
+    consecutive repeats inside one run, whose run-to-run variation is not sampled); ``baseline``: for a
+    ratio, what it divides by as the run measured it (the mode, GEMM and flow of each side)."""
 
     value: float
     repeats: int
     spread: tuple[float, float]
+    runs: int = 1
+    baseline: str = ""
+
+    def against(self, baseline: str, runs: int = 1) -> "Figure":
+        """This figure with what it was measured against and the runs it pools."""
+        return dataclasses.replace(self, baseline=baseline, runs=runs)
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> "Figure":
@@ -151,10 +162,12 @@ def update(path: str | Path, figures: Mapping[str, Figure], *, device: str, comm
         if not isinstance(fig, Figure):
             raise ValueError(f"headline {key}: {fig!r} is not a Figure (value, repeats, spread)")
         numbers = (fig.value, *fig.spread)
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers) or fig.repeats < 1:
-            raise ValueError(f"headline {key}: {fig!r} is not a finite number with its repeats")
-        data[key] = {"value": _round(fig.value), "repeats": fig.repeats, "spread": [_round(v) for v in fig.spread],
-                     "device": device, "command": command, "date": date}
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers) or fig.repeats < 1 \
+                or fig.runs < 1:
+            raise ValueError(f"headline {key}: {fig!r} is not a finite number with its repeats and runs")
+        data[key] = {"value": _round(fig.value), "repeats": fig.repeats, "runs": fig.runs,
+                     "spread": [_round(v) for v in fig.spread], "baseline": fig.baseline, "device": device,
+                     "command": command, "date": date}
     _write(path, data)
     return data
 
@@ -168,15 +181,21 @@ def _write(path: Path, data: Mapping) -> None:
 
 
 def table(data: Mapping[str, Mapping]) -> str:
-    """The headline file as a markdown table, in ``KEYS`` order (keys it does not list last)."""
-    rows = ["| key | what | value | spread (repeats) | target | device | date |", "|---|---|---:|---|---|---|---|"]
+    """The headline file as a markdown table, in ``KEYS`` order (keys it does not list last). Each
+    value says how many repeats of how many runs it is (``3 × 1 run``: consecutive repeats of one run,
+    whose run-to-run variation is not in the spread; entries written before runs were recorded were
+    all of one run) and, for a ratio, its baseline as the run recorded it."""
+    rows = ["| key | what | value | spread | repeats × runs | baseline | target | device | date |",
+            "|---|---|---:|---|---|---|---|---|---|"]
     for key in [k for k in KEYS if k in data] + sorted(k for k in data if k not in KEYS):
         what, target = (cell.replace("|", "\\|") for cell in KEYS.get(key, ("(not described in headline.py)", "")))
         entry = data[key]
-        spread = (f"{entry['spread'][0]:.4g}–{entry['spread'][1]:.4g} ({entry['repeats']})" if "spread" in entry
-                  else "— (not recorded)")
-        rows.append(f"| `{key}` | {what} | {entry['value']:.4g} | {spread} | {target} | {entry['device']} | "
-                    f"{entry['date']} |")
+        spread = f"{entry['spread'][0]:.4g}–{entry['spread'][1]:.4g}" if "spread" in entry else "— (not recorded)"
+        runs = entry.get("runs", 1)
+        count = f"{entry.get('repeats', 1)} × {runs} run{'s' if runs > 1 else ''}"
+        baseline = (entry.get("baseline") or "—").replace("|", "\\|")
+        rows.append(f"| `{key}` | {what} | {entry['value']:.4g} | {spread} | {count} | {baseline} | {target} | "
+                    f"{entry['device']} | {entry['date']} |")
     return "\n".join(rows)
 
 
@@ -190,6 +209,8 @@ def with_table(text: str, data: Mapping[str, Mapping]) -> str:
 
 
 ENTRY_FIELDS = ("value", "repeats", "spread", "device", "command", "date")
+OPTIONAL_FIELDS = ("runs", "baseline")
+"""Fields an entry has when written since they were introduced (``update`` writes all)."""
 
 
 def merge(path: str | Path, sources: Sequence[str | Path]) -> list[str]:
@@ -205,7 +226,7 @@ def merge(path: str | Path, sources: Sequence[str | Path]) -> list[str]:
             missing = [f for f in ENTRY_FIELDS if f not in entry]
             if missing:
                 raise ValueError(f"{source}: headline {key} lacks {', '.join(missing)} (not written by update())")
-            incoming[key] = {f: entry[f] for f in ENTRY_FIELDS}
+            incoming[key] = {f: entry[f] for f in (*ENTRY_FIELDS, *OPTIONAL_FIELDS) if f in entry}
     data = json.loads(path.read_text()) if path.is_file() else {}
     data.update(incoming)
     _write(path, data)

@@ -97,8 +97,11 @@ def headline_figures(runs: dict[str, dict], key: str) -> dict[str, Figure]:
         fp8_steps += fp8["seconds_per_step"]["step"]
         bf16_steps += bf16["seconds_per_step"]["step"]
         tok_s += fp8["tokens_per_s_per_gpu_per_step"]
-    return {f"{key}_fp8_over_bf16": Figure.ratio(bf16_steps, fp8_steps),
-            f"{key}_tokens_per_s_per_gpu": Figure.of(tok_s)}
+    pooled = len(rounds(runs))
+    return {f"{key}_fp8_over_bf16": Figure.ratio(bf16_steps, fp8_steps).against(
+                f"the BF16 run of the same round and layout ({pooled} round{'s' if pooled > 1 else ''}, ABBA order; "
+                "steps paired within a round)", runs=2 * pooled),
+            f"{key}_tokens_per_s_per_gpu": Figure.of(tok_s).against("", runs=pooled)}
 
 
 def main() -> None:

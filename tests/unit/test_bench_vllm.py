@@ -24,7 +24,8 @@ def test_headline_update_keeps_other_keys_and_refuses_non_numbers(tmp_path):
     a, b = data["linear_fp8_over_bf16"], data["vllm_sync_8b_s"]
     assert a["value"] == 1.2346 and a["device"] == "GPU X" and b["command"] == "cmd b"
     assert a["repeats"] == 3 and a["spread"] == [1.2, 1.3] and b["repeats"] == 1 and b["spread"] == [2, 2]
-    assert set(a) == {"value", "repeats", "spread", "device", "command", "date"}
+    assert set(a) == {"value", "repeats", "runs", "spread", "baseline", "device", "command", "date"}
+    assert a["runs"] == 1 and a["baseline"] == ""
     assert json.loads(path.read_text()) == data
     with pytest.raises(ValueError, match="vllm_k3_fp8_8b6"):
         update(path, {"vllm_k3_fp8_8b6": Figure.of([float("nan")])}, device="GPU", command="x")
@@ -72,8 +73,12 @@ def test_scale_headline_figures_need_the_same_work():
     fp8 = run("fp8", [10.0, 11.0, 9.0], [3000.0, 2800.0, 3100.0], [70000] * 3)
     bf16 = run("bf16", [13.0, 13.2, 12.6], [2300.0, 2250.0, 2400.0], [70000] * 3)
     figs = headline_figures({"fp8": fp8, "bf16": bf16}, "rl_step_8b_full")
-    assert figs["rl_step_8b_full_fp8_over_bf16"] == Figure.ratio([13.0, 13.2, 12.6], [10.0, 11.0, 9.0])
-    assert figs["rl_step_8b_full_tokens_per_s_per_gpu"] == Figure(3000.0, 3, (2800.0, 3100.0))
+    want = Figure.ratio([13.0, 13.2, 12.6], [10.0, 11.0, 9.0])
+    got = figs["rl_step_8b_full_fp8_over_bf16"]
+    assert (got.value, got.repeats, got.spread) == (want.value, want.repeats, want.spread)
+    assert got.runs == 2 and got.baseline.startswith("the BF16 run of the same round and layout (1 round")
+    tok = figs["rl_step_8b_full_tokens_per_s_per_gpu"]
+    assert (tok.value, tok.repeats, tok.spread, tok.runs) == (3000.0, 3, (2800.0, 3100.0), 1)
     assert set(figs) <= set(KEYS)
     with pytest.raises(ValueError, match="same tokens"):
         headline_figures({"fp8": fp8, "bf16": {**bf16, "tokens_per_timed_step": [69000] * 3}}, "rl_step_8b_full")
@@ -94,10 +99,13 @@ def test_scale_headline_figures_pool_rounds_and_pair_steps_within_each():
     figs = headline_figures(runs, "rl_step_8b_full")
     # median over median of both rounds; the spread pairs fp8 with bf16 of the same round and step,
     # so the slow second FP8 run pulls the low end below 1
-    assert figs["rl_step_8b_full_fp8_over_bf16"] == Figure(
+    fig = figs["rl_step_8b_full_fp8_over_bf16"]
+    assert (fig.value, fig.repeats, fig.spread) == (
         statistics.median([13.0, 13.2, 13.4, 12.8]) / statistics.median([10.0, 11.0, 13.0, 12.0]), 4,
         (13.4 / 13.0, 13.0 / 10.0))
-    assert figs["rl_step_8b_full_tokens_per_s_per_gpu"].repeats == 4
+    assert fig.runs == 4 and "2 rounds" in fig.baseline  # two runs a round: run-to-run variation is in the spread
+    tok = figs["rl_step_8b_full_tokens_per_s_per_gpu"]
+    assert tok.repeats == 4 and tok.runs == 2
     with pytest.raises(ValueError, match="round r2 has fp8.r2 alone"):
         headline_figures({k: v for k, v in runs.items() if k != "bf16.r2"}, "rl_step_8b_full")
     with pytest.raises(ValueError, match="fp8.r2 and bf16.r2 did not process the same tokens"):
@@ -336,7 +344,7 @@ def test_the_step_table_names_what_the_run_resolved(tmp_path):
                     "rollout.offload_actor=true"])  # micro-batch tokens: the YAML's own
     _write_config(tmp_path, job)
     assert bench_vllm.step_config(tmp_path) == {"layers": 16, "response_len": 2048, "offload_actor": True,
-                                                "mb_tokens": job.actor.max_tokens_per_microbatch}
+                                                "mb_tokens": job.actor.max_tokens_per_microbatch, "fp8_gemm": "auto"}
 
 
 def test_model_shapes_and_the_lm_head_share():
@@ -676,3 +684,40 @@ def test_the_exact_steps_over_bf16_are_headline_figures(tmp_path):
     data = json.loads(headline.read_text())
     assert data["rl_step_exact_fp8_over_bf16"]["value"] == 1.5 and data["rl_step_exact_fp8kv_over_bf16"]["value"] == 1.6
     assert data["rl_step_exact_over_default"]["value"] == 1.25 and data["rl_step_vllm_fp8_over_bf16"]["value"] == 1.2
+
+
+def replay(command: str):
+    """A recorded command's benchmark arguments, parsed by that benchmark's own parser: the variables
+    set before it and the launcher (``python`` / ``torchrun --nproc-per-node N``) taken off first."""
+    import importlib
+    import shlex
+
+    words = shlex.split(command)
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    launcher = words[:words.index("-m")]
+    assert launcher in (["python"], ["torchrun", "--nproc-per-node", launcher[-1]]), launcher
+    module = words[words.index("-m") + 1]
+    return env, launcher, importlib.import_module(module).build_parser().parse_args(words[words.index("-m") + 2:])
+
+
+@pytest.mark.parametrize("module, argv, environ", [
+    ("benchmarks.bench_vllm", ["--fp8-gemm", "auto", "decode", "--modes", "fp8,fp8-exact", "--cases", "128x2048",
+                               "--repeats", "3"], {}),
+    ("benchmarks.bench_actor_step", ["--layers", "16", "--modes", "bf16,fp8,bf16-te,fp8-te"],
+     {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "1", "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}),
+    ("benchmarks.exact_ablation", ["all", "--models", "tiny,8b6", "--seeds", "3", "--work", "/tmp/a b"], {}),
+])
+def test_a_recorded_command_runs_as_written(module, argv, environ):
+    """What a headline entry records is the command that ran: its environment variables that change the
+    measurement, its launcher and its arguments, which the benchmark's own parser reads back as they were
+    (quoted where a value needs it)."""
+    import importlib
+
+    command = command_line(module, argv, environ)
+    env, launcher, args = replay(command)
+    assert env == {k: v for k, v in environ.items() if k == "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"}
+    assert launcher[0] == ("torchrun" if "TORCHELASTIC_RUN_ID" in environ else "python")
+    assert vars(args) == vars(importlib.import_module(module).build_parser().parse_args(argv))
