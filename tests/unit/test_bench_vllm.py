@@ -614,7 +614,8 @@ def test_exact_ablation_headline_is_the_median_over_sampling_seeds(tmp_path):
     with pytest.raises(SystemExit):
         exact_ablation_main(["table", "--seeds", "0"])
     assert default_command(runs) == ("python -m benchmarks.exact_ablation all --models 8b6,tiny --runs "
-                                     "default:bf16,default:fp8,exact:bf16,exact:fp8 --seeds 1 (then table --headline)")
+                                     "default:bf16,default:fp8,exact:bf16,exact:fp8 --seeds 1 (rebuilt from the "
+                                     "results; then table --headline)")
 
 
 @pytest.mark.parametrize("script, env_key, missing", [("rl_8b_full.sh", "JETRL_8B_OUT", "main.log"),
