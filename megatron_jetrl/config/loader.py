@@ -89,11 +89,16 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A deep copy of ``raw`` with each ``key=value`` applied in order (later ones win). A key whose
-    parent is set to a non-mapping value is an error; unknown keys are left for ``build`` to name."""
+    """A deep copy of ``raw`` with each ``key=value`` applied in order. A key given twice is an error
+    (which one was meant?), as is a key whose parent is set to a non-mapping value; unknown keys are
+    left for ``build`` to name."""
     out = _deep_copy(raw)
+    given: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)
+        if key in given:
+            raise ConfigError(key, value, f"is given twice ({given[key]} and {text.strip()}): give it once")
+        given[key] = text.strip()
         parts = key.split(".")
         node = out
         for i, part in enumerate(parts[:-1]):

@@ -140,7 +140,8 @@ def process_group(tmp_path):
 def _run(run_dir: Path, *overrides: str, actor_cls=FakeActor) -> int:
     from megatron_jetrl.trainer import Trainer
 
-    job = load_job(TINY, [*SMALL, f"run.dir={run_dir}", *overrides])
+    given = {o.partition("=")[0] for o in overrides}  # a key is given once: the test's value replaces SMALL's
+    job = load_job(TINY, [*(o for o in SMALL if o.partition("=")[0] not in given), f"run.dir={run_dir}", *overrides])
     resolved = resolve(job, dist.get_world_size())
     trainer = Trainer(job, resolved, load_data(job, resolved), run_dir=run_dir, device=torch.device("cpu"),
                       actor_cls=actor_cls)

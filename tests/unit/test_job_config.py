@@ -31,17 +31,24 @@ def test_example_loads_with_the_documented_values():
     assert job.data.train.synthetic.task == "countdown"
 
 
-def test_overrides_parse_yaml_values_and_apply_in_order():
+def test_overrides_parse_yaml_values_and_apply():
     assert parse_override("a.b=3") == ("a.b", 3)
     assert parse_override("a=true") == ("a", True)
     assert parse_override("a=[1, 2]") == ("a", [1, 2])
     assert parse_override("a=null") == ("a", None)
     assert parse_override("a=fp8") == ("a", "fp8")
-    raw = apply_overrides({"x": {"y": 1}}, ["x.y=2", "x.z.w=3", "x.y=4"])
-    assert raw == {"x": {"y": 4, "z": {"w": 3}}}
+    raw = apply_overrides({"x": {"y": 1}}, ["x.y=2", "x.z.w=3"])
+    assert raw == {"x": {"y": 2, "z": {"w": 3}}}
     job = tiny("precision.mode=bf16", "actor.optimizer.lr=1e-5", "run.steps=3")
     assert job.precision.mode is PrecisionMode.BF16 and job.run.steps == 3
     assert job.actor.optimizer.lr == pytest.approx(1e-5)  # YAML reads 1e-5 as a string; float fields take it
+
+
+def test_an_override_given_twice_is_refused_naming_both():
+    with pytest.raises(ConfigError) as e:
+        tiny("run.steps=3", "precision.mode=bf16", "run.steps=5")
+    assert e.value.key == "run.steps"
+    assert "given twice" in str(e.value) and "run.steps=3" in str(e.value) and "run.steps=5" in str(e.value)
 
 
 @pytest.mark.parametrize("override, key", [
