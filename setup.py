@@ -19,8 +19,10 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only by a broken install
     raise SystemExit(
         "megatron-jetrl builds a torch extension and needs torch installed first:\n"
-        "  pip install torch            # the CPU or CUDA build you want\n"
-        "  pip install --no-build-isolation -e .\n"
+        "  pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu   # CPU machine\n"
+        "  (a GPU machine: the CUDA build, e.g. --index-url https://download.pytorch.org/whl/cu130)\n"
+        "  pip install setuptools wheel ninja\n"
+        "  pip install --no-build-isolation -e \".[test]\"\n"
         f"({e})"
     ) from e
 
@@ -60,12 +62,13 @@ setup(
         "pyyaml",
         "rich",
         "tensorboard",
+        "pyarrow",  # Parquet, the recipes' data format
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]>=2.9"],
         "vllm": ["vllm>=0.26,<0.33"],  # rollout/vllm_engine.py VLLM_VERSIONS: 0.26 (GPU host) to 0.32 (CI)
         "math": ["math-verify"],  # reward.math_checker=math_verify (the recipes' choice)
-        "test": ["pytest>=8", "matplotlib"],  # matplotlib: the study plots (benchmarks/mismatch_plots.py)
+        "test": ["pytest>=8", "ruff", "matplotlib"],  # matplotlib: the study plots (benchmarks/mismatch_plots.py)
         "study": ["matplotlib"],
     },
     entry_points={"console_scripts": ["jetrl = megatron_jetrl.cli:main"]},

@@ -27,12 +27,15 @@ from megatron_jetrl.config import CheckpointError, ConfigError
 from megatron_jetrl.job.estimate import gpu_capacity
 from megatron_jetrl.rollout.engines import engine_kind
 from megatron_jetrl.job import JobConfig, JobData, Resolved, load_data, load_job, missing_inputs, resolve
+from megatron_jetrl.runtime.run_checkpoints import RunSaveError
 from megatron_jetrl.runtime.signals import PreemptionSignal
 
 EXIT_CONFIG = 2
 EXIT_EXACT_MISMATCH = 3
 """An exact rollout that did not hold (``precision.exact_mismatch: stop``): not a preemption, so SLURM
 does not requeue it."""
+EXIT_SAVE_FAILED = 4
+"""A run checkpoint could not be written (a full disk, a quota): not requeued either."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="CPU smoke test of the launch: rendezvous (gloo), rank layout, config check, "
                               "preemption -> checkpoint -> resume; no model")
     train_p.add_argument("--smoke-step-seconds", type=float, default=1.0, help="length of a smoke step (default 1)")
+    train_p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                         help="start N processes on this machine, one per GPU, forwarding stop signals and "
+                              "waiting for their checkpoint (instead of torchrun); srun starts them on a cluster")
     train_p.add_argument("--skip-memory-check", action="store_true",
                          help="start even when the memory plan says the job does not fit the GPU")
     check_p.add_argument("--world-size", type=int, default=None,
@@ -64,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         job = load_job(args.config, args.overrides)
         if args.command == "check":
             return check(job, args)
+        if args.nproc_per_node is not None:
+            return launch_local(list(sys.argv[1:] if argv is None else argv), args.nproc_per_node)
         return train(job, args)
     except ConfigError as e:
         # every rank of a launch reads the same config: one message, from rank 0 (an error in a
@@ -75,6 +83,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _rank() == "0":
             print(f"checkpoint error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except RunSaveError as e:  # every rank raises it; the one that hit the cause names it
+        if _rank() == "0" or e.local:
+            print(f"checkpoint save error: {e}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
+
+
+def launch_local(argv: list[str], nproc: int) -> int:
+    """``jetrl train --nproc-per-node N``: the same command as N workers on this machine
+    (``launch/local.py``), refused inside another launcher's process."""
+    from megatron_jetrl.launch.local import run_local, worker_command
+
+    if nproc < 1:
+        raise ConfigError("--nproc-per-node", nproc, "must be >= 1 (one process per GPU)")
+    outer = next((name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name in os.environ), None)
+    if outer is None and os.environ.get("SLURM_STEP_ID", "batch") != "batch" and "SLURM_PROCID" in os.environ:
+        outer = "SLURM_PROCID"
+    if outer is not None:
+        raise ConfigError("--nproc-per-node", nproc, f"this process is already one of a launch ({outer} is set): "
+                          "let that launcher start the processes (srun --ntasks-per-node, torchrun --nproc-per-node) "
+                          "and drop --nproc-per-node")
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            rest.append(arg)
+    return run_local(worker_command(rest), nproc)
 
 
 def _rank() -> str:
@@ -103,6 +140,7 @@ def preflight(job: JobConfig, *, nodes: int, per_node: int, planning: bool, mach
     the error."""
     world = nodes * per_node
     job.run.check_dir()  # a run dir that cannot be written would fail at the first save
+    job.check_resume()  # continuing a run with another precision, lr, group size... is refused
     missing = missing_inputs(job)
     warnings = [f"{key} {path} does not exist yet: {fix} (jetrl train needs it)" for key, path, fix in missing]
     if missing and not planning:
@@ -120,6 +158,8 @@ def preflight(job: JobConfig, *, nodes: int, per_node: int, planning: bool, mach
     except ConfigError as e:
         raise _named_by_source(e, job, plan_config) from None
     launch.check_parallel_layout(nodes, per_node, job.actor.parallel, resolved.rollout_tp)
+    if job.model.checkpoint is not None and not any(key == "model.checkpoint" for key, _, _ in missing):
+        check_initial_checkpoint(job, resolved)
     if machine:  # before the data, the model and the warm-up
         problems = machine_problems(job)
         if problems and not planning:
@@ -133,6 +173,20 @@ def preflight(job: JobConfig, *, nodes: int, per_node: int, planning: bool, mach
     if unchecked:
         warnings.append("tokenizer and data not checked (they need the files above)")
     return Preflight(resolved, data, warnings, len(missing), plan_config)
+
+
+def check_initial_checkpoint(job: JobConfig, resolved: Resolved) -> None:
+    """``model.checkpoint`` holds the model ``model.hf_config`` (or ``model.config``) describes:
+    every tensor the model needs, with its shape (read from the checkpoint's metadata only). A
+    ConfigError naming the key, the first tensor that differs and the fix otherwise."""
+    from megatron_jetrl.actor.hf_conversion import check_checkpoint_metadata
+
+    try:
+        check_checkpoint_metadata(Path(job.model.checkpoint), resolved.bridge)
+    except CheckpointError as e:
+        raise ConfigError("model.checkpoint", job.model.checkpoint,
+                          f"does not hold this job's model ({e}): name the checkpoint tools/convert_hf_to_megatron.py "
+                          "wrote from model.hf_config's model, or the model.hf_config it was converted from") from None
 
 
 def _named_by_source(e: ConfigError, job: JobConfig, plan_config: Optional[str]) -> ConfigError:
@@ -196,8 +250,13 @@ def check(job: JobConfig, args: argparse.Namespace) -> int:
     problems = found.resolved.memory.problems(capacity)
     for line in [*found.warnings, *problems]:
         print(f"WARNING: {line}")
-    print("config OK" + (", but it does not fit in memory (see WARNING)" if problems else "")
-          + (f"; {found.missing} input(s) still to fetch (see WARNING)" if found.missing else ""))
+    if problems:  # what jetrl train would refuse: an error here too (its exit status says so to scripts)
+        peak, gpu = found.resolved.memory.peak(capacity) / 2**30, capacity / 2**30
+        print(f"config error: memory plan: {peak:.1f} GiB per GPU does not fit in memory ({gpu:.1f} GiB per GPU, "
+              "--gpu-memory): change what the WARNING names; jetrl train refuses it "
+              "(--skip-memory-check starts anyway)", file=sys.stderr)
+        return EXIT_CONFIG
+    print("config OK" + (f"; {found.missing} input(s) still to fetch (see WARNING)" if found.missing else ""))
     return 0
 
 

@@ -407,18 +407,20 @@ class Trainer:
 
     def save(self) -> None:
         """A checkpoint of this step: the actor (model, optimizer, scheduler), the data position and
-        every rank's RNG states; written to a staging directory and renamed when complete."""
+        every rank's RNG states; written to a staging directory and renamed when complete. A write that
+        fails on any rank (a full disk) raises ``RunSaveError`` on every rank, nothing of it kept."""
         self.colocation.train_mode()
         start = time.perf_counter()
-        staging = self.checkpoints.begin(self.step)
+        self.checkpoints.save(self.step, self._write_checkpoint, any_rank=self._any_rank)
+        self.console.log(f"checkpoint step {self.step} saved in {time.perf_counter() - start:.1f} s")
+
+    def _write_checkpoint(self, staging: Path) -> None:
         self.actor.save(staging / "actor", extra={"step": self.step})
         save_rng(staging, self.rank)
         if self.rank == 0:
             state = {"step": self.step, "sampler": self.sampler.state_dict(), "config": self.job.to_dict(),
                      "kv_scales": self.kv_scales.tolist()}
             save_json_atomic(staging / "trainer_state.json", state)
-        self.checkpoints.commit(self.step)
-        self.console.log(f"checkpoint step {self.step} saved in {time.perf_counter() - start:.1f} s")
 
     def _resume(self) -> None:
         """Restore the newest checkpoint every rank can read; an unreadable one (a file missing,

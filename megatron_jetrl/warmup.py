@@ -66,9 +66,8 @@ class Warmup:
                     self.console.log(f"sft {k}/{sft.steps} | loss {m['loss']:.4f}")
                 if preemption.agreed(any_rank):
                     return False
-            staging = ckpts.begin(sft.steps)
-            actor.save(staging / "actor", extra={"sft_steps": sft.steps})
-            ckpts.commit(sft.steps)
+            ckpts.save(sft.steps, lambda staging: actor.save(staging / "actor", extra={"sft_steps": sft.steps}),
+                       any_rank=any_rank)
             return True
         finally:
             log.close()

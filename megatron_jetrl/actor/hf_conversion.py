@@ -310,6 +310,18 @@ def check_checkpoint_shapes(ckpt: Path, bridge: ModelBridge, meta) -> None:
                                   f"{bridge.architecture} with its config.json needs {want}")
 
 
+def check_checkpoint_metadata(ckpt: Path, bridge: ModelBridge) -> None:
+    """``check_checkpoint_shapes`` from ``ckpt``'s metadata file alone (no tensor is read); a
+    ``CheckpointError`` when it cannot be read or a shape differs."""
+    try:
+        meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as e:  # an unpickler's failures have any type
+        raise CheckpointError(f"{ckpt / DCP_METADATA} cannot be read ({_one_line(e)})") from None
+    if not isinstance(meta, Metadata):
+        raise CheckpointError(f"{ckpt / DCP_METADATA} holds a {type(meta).__name__}, not checkpoint metadata")
+    check_checkpoint_shapes(ckpt, bridge, meta)
+
+
 def _read_metadata(ckpt: Path) -> Metadata:
     """``ckpt``'s DCP metadata, with every data file it points into present and long enough; a
     missing or damaged file is a ``CheckpointError`` naming it, before anything is converted."""

@@ -37,7 +37,7 @@ from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.rollout.engines import ENGINES, engine_kind
 from megatron_jetrl.rollout.settings import RolloutSettings
 from megatron_jetrl.runtime.metrics import LogSettings
-from megatron_jetrl.runtime.run_checkpoints import RunCheckpoints, resume_refused
+from megatron_jetrl.runtime.run_checkpoints import RunCheckpoints, pointer_problem, resume_refused
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class RunSettings:
     at the end and on preemption; ``save_at_end`` false skips the final checkpoint (benchmarks:
     a large model's checkpoint takes minutes and disk); ``eval_every`` 0 never evaluates.
     ``profile_steps``: steps whose phases run under the GPU profiler, each written to
-    ``dir/profiles/step_<N>.json`` (kernel time per phase by class; ``runtime/profiling.py``)."""
+    ``dir/profiles/step_<N>.json`` (kernel time per phase by class; ``runtime/profiling.py``).
+    ``allow_changes``: keys (or sections) a resumed run may set differently from its checkpoint
+    among what the run learns with (``RESUME_FIXED``), e.g. ``[actor.optimizer.lr]``."""
 
     dir: str
     steps: int
@@ -59,8 +61,12 @@ class RunSettings:
     resume: bool = True
     save_at_end: bool = True
     profile_steps: tuple[int, ...] = ()
+    allow_changes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for i, key in enumerate(self.allow_changes):
+            if not isinstance(key, str) or not key.strip():
+                raise ConfigError(f"run.allow_changes[{i}]", key, "must be a config key such as actor.optimizer.lr")
         if not isinstance(self.save_at_end, bool):
             raise ConfigError("run.save_at_end", self.save_at_end, "must be true or false")
         if not self.dir:
@@ -80,7 +86,8 @@ class RunSettings:
         ``jetrl train`` call this before any GPU work: a run dir that cannot be written would fail
         at the first save). Leaves nothing behind: a missing ``dir`` is not created, and the probe
         file that tests writing (permissions alone miss read-only mounts, ACLs and root squash) is
-        removed again. With ``resume`` false, a ``dir`` that has checkpoints is refused too (on
+        removed again. A ``checkpoints/latest`` the first save could not replace (a directory) is
+        refused. With ``resume`` false, a ``dir`` that has checkpoints is refused too (on
         ``run.resume``), before ``jetrl train`` writes anything into it."""
         path = Path(self.dir).expanduser().absolute()
         existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
@@ -104,6 +111,9 @@ class RunSettings:
             raise ConfigError("run.dir", self.dir, f"{wrong} ({e.strerror}); {fix}") from None
         os.close(fd)
         os.unlink(probe)
+        problem = pointer_problem(path / "checkpoints")
+        if problem is not None:
+            raise problem
         if not self.resume and path.is_dir():  # a fresh start must not overwrite a run's checkpoints
             latest = RunCheckpoints(path, self.keep_last, 0, 1, lambda: None).latest()
             if latest is not None:
@@ -221,6 +231,29 @@ class JobConfig:
         responses are generated, never trained on)."""
         return self.data.train.max_prompt_tokens + self.rollout.sampling.max_new_tokens
 
+    def check_resume(self) -> None:
+        """With ``run.resume``, a ``run.dir`` whose newest checkpoint was made with other values of
+        what the run learns with (``resume_changes``) is refused on the first such key, naming the
+        checkpoint, both values, any other changed keys and the fixes. A checkpoint whose state
+        cannot be read is left to the resume (which names it and falls back)."""
+        if not self.run.resume:
+            return
+        latest = RunCheckpoints(Path(self.run.dir), self.run.keep_last, 0, 1, lambda: None).latest()
+        if latest is None:
+            return
+        try:
+            saved = json.loads((latest / "trainer_state.json").read_text(encoding="utf-8"))["config"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        changed = resume_changes(self, saved)
+        if not changed:
+            return
+        key, before, now = changed[0]
+        also = "; also " + ", ".join(f"{k} ({b!r} -> {n!r})" for k, b, n in changed[1:]) if changed[1:] else ""
+        raise ConfigError(key, now, f"differs from the checkpoint this run resumes ({latest}: {before!r}){also}: set "
+                          f"it back, use a new run.dir, or run.allow_changes=[{', '.join(k for k, _, _ in changed)}] "
+                          "to change it on purpose")
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data; ``load_job`` of it gives this config back."""
         out = to_plain(self)
@@ -228,6 +261,44 @@ class JobConfig:
         for name in _JOB_SET_SAMPLING:
             out["rollout"]["sampling"].pop(name)
         return out
+
+
+RESUME_FIXED = ("run.seed", "model.config", "data", "precision", "actor.optimizer", "actor.seed", "rollout.sampling",
+                "algo", "reward")
+"""What a run learns with: a resumed run must set these as its checkpoint did (``check_resume``)."""
+
+RESUME_FREE = ("data.train.path", "data.eval.path", "precision.exact", "precision.exact_mismatch",
+               "reward.time_limit_s")
+"""Exceptions inside ``RESUME_FIXED``: where the files are (moved data), how the rollout computes
+(the exact kernels compute the default's numbers) and how long a reward may take."""
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _under(key: str, prefixes: Sequence[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def resume_changes(job: "JobConfig", saved: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, this job's value) for every key of ``RESUME_FIXED`` (not
+    ``RESUME_FREE``, not in ``run.allow_changes``) on which this job differs from ``saved`` (the
+    checkpoint's config, ``JobConfig.to_dict`` form). Keys only one side has are not compared."""
+    now, before = _flat(job.to_dict()), _flat(saved)
+    changed = []
+    for key in sorted(set(now) & set(before)):  # a key one side lacks: another release's config
+        if not _under(key, RESUME_FIXED) or _under(key, RESUME_FREE) or _under(key, job.run.allow_changes):
+            continue
+        if now.get(key) != before.get(key):
+            changed.append((key, before.get(key), now.get(key)))
+    return changed
 
 
 _JOB_SET_SAMPLING = {"n": "algo.group_size", "seed": "run.seed (each step's seed derives from it)"}

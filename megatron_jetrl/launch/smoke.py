@@ -17,6 +17,7 @@ runs, the same checks ``jetrl train`` makes before any GPU work.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -92,11 +93,7 @@ def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal,
         say(f"smoke: step {step}/{steps} ok", flush=True)
         stop = preemption.agreed(any_rank)  # gloo: reduced on the CPU
         if stop or step == steps or (save_every and step % save_every == 0):
-            staging = checkpoints.begin(step)
-            (staging / f"rank_{rank:05d}.json").write_text(json.dumps(me))
-            if rank == 0:
-                (staging / "state.json").write_text(json.dumps({"step": step}))
-            checkpoints.commit(step)
+            checkpoints.save(step, functools.partial(_write, rank=rank, me=me, step=step), any_rank=any_rank)
             say(f"smoke: checkpoint step {step} saved", flush=True)
         if stop:
             say(f"smoke: {preemption.signal_name or 'a signal'} received: checkpoint of step {step} saved; "
@@ -104,6 +101,12 @@ def run_smoke(placement: Placement, run_dir: Path, preemption: PreemptionSignal,
             return EXIT_PREEMPTED
     say(f"smoke: done, {steps} steps", flush=True)
     return 0
+
+
+def _write(staging: Path, rank: int, me: dict, step: int) -> None:
+    (staging / f"rank_{rank:05d}.json").write_text(json.dumps(me))
+    if rank == 0:
+        (staging / "state.json").write_text(json.dumps({"step": step}))
 
 
 def _resume(checkpoints: RunCheckpoints, say) -> int:

@@ -10,7 +10,6 @@ output only when complete.
 
 from __future__ import annotations
 
-import errno
 import glob
 import json
 import os
@@ -25,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from megatron_jetrl.config import CheckpointError
+from megatron_jetrl.runtime.atomic import human_size, space_errno, space_problem, tree_bytes
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -303,42 +303,11 @@ class NoSpaceError(OSError):
     mismatch, torch.distributed.checkpoint wraps it in a multi-traceback CheckpointException."""
 
 
-def _space_errno(error: BaseException) -> int | None:
-    """ENOSPC or EDQUOT if ``error`` is, or was raised while handling, an OSError with that errno."""
-    seen: set[int] = set()
-    stack = [error]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return e.errno
-        stack += [e.__cause__, e.__context__]
-    return None
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
 def _no_space(out: Path, code: int, written: int) -> NoSpaceError:
     free = shutil.disk_usage(out.parent).free
-    what = "no space left on device" if code == errno.ENOSPC else "disk quota exceeded"
-    fix = "free space" if code == errno.ENOSPC else "free space within your quota"
-    return NoSpaceError(f"{what} while writing {out} ({_size(written)} written, now removed; {_size(free)} free at "
-                        f"{out.parent}): {fix} or choose another --out-dir")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    what, fix = space_problem(code)
+    return NoSpaceError(f"{what} while writing {out} ({human_size(written)} written, now removed; {human_size(free)} "
+                        f"free at {out.parent}): {fix} or choose another --out-dir")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -488,9 +457,9 @@ def atomic_output_dir(out: str | os.PathLike, *, force: bool,
                                   "as it is: pass --force to replace it")
         (tmp / _OWNER).unlink()
     except BaseException as e:
-        written = _tree_bytes(tmp)
+        written = tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        code = _space_errno(e)
+        code = space_errno(e)
         error = _no_space(out, code, written) if code is not None else None
         _remove_empty(created)
         if error is not None:

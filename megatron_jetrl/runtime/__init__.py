@@ -6,7 +6,7 @@ and W&B when a sink asks for them), so it loads and tests on a CPU machine.
 """
 
 from megatron_jetrl.runtime.atomic import fsync_dir, save_json_atomic, write_atomic
-from megatron_jetrl.runtime.run_checkpoints import COMPLETE, LATEST, RunCheckpoints
+from megatron_jetrl.runtime.run_checkpoints import COMPLETE, LATEST, RunCheckpoints, RunSaveError
 from megatron_jetrl.runtime.console import ConsoleView, PhaseHandle, format_step_line
 from megatron_jetrl.runtime.metrics import LogSettings, MetricsLogger, WandbSettings
 from megatron_jetrl.runtime.rng import load_rng, rng_fingerprint, rng_path, save_rng
@@ -15,6 +15,6 @@ from megatron_jetrl.runtime.timing import PhaseTimer
 
 __all__ = [
     "COMPLETE", "EXIT_PREEMPTED", "LATEST", "ConsoleView", "LogSettings", "MetricsLogger", "PhaseHandle", "PhaseTimer",
-    "PreemptionSignal", "RunCheckpoints", "WandbSettings", "any_rank", "format_step_line", "fsync_dir",
+    "PreemptionSignal", "RunCheckpoints", "RunSaveError", "WandbSettings", "any_rank", "format_step_line", "fsync_dir",
     "load_rng", "rng_fingerprint", "rng_path", "save_json_atomic", "save_rng", "write_atomic",
 ]

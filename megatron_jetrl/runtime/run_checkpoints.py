@@ -20,8 +20,11 @@ returning the last complete checkpoint. Each writer is responsible for the durab
 files (``torch.distributed.checkpoint`` fsyncs by default; ``save_rng`` and ``save_json_atomic``
 do); ``COMPLETE`` says "every rank returned from writing", not "every byte is on disk".
 
-Collective methods (``begin``, ``commit``, ``clean_stale``) must be called by every rank. An
-exception on rank 0 inside them leaves the other ranks waiting in a barrier until the process
+Collective methods (``save``, ``begin``, ``commit``, ``clean_stale``) must be called by every rank.
+``save`` (begin, write, commit) agrees on failures across ranks: a write that fails on any rank (a
+full disk, a quota, a directory turned read-only) removes the staging directory and raises
+``RunSaveError`` on every rank, with the complete checkpoints untouched. An exception on rank 0
+inside ``begin`` or ``commit`` leaves the other ranks waiting in a barrier until the process
 group's timeout, and nothing half-written is published.
 """
 
@@ -38,13 +41,38 @@ from typing import Callable, Optional
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_jetrl.config import CheckpointError, ConfigError
-from megatron_jetrl.runtime.atomic import fsync_dir, save_json_atomic, write_atomic
+from megatron_jetrl.runtime.atomic import (fsync_dir, human_size, save_json_atomic, space_errno, space_problem,
+                                          tree_bytes, write_atomic)
 
 logger = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+class RunSaveError(OSError):
+    """Saving a run checkpoint failed (on this rank when ``local``, else on another); nothing of it
+    was kept and the earlier checkpoints are as they were. The message names the directory, the
+    cause and the fix in one line."""
+
+    def __init__(self, message: str, *, local: bool):
+        super().__init__(message)
+        self.local = local
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def pointer_problem(root: Path) -> Optional[ConfigError]:
+    """A ``latest`` under ``root`` (a ``checkpoints`` directory) that the next save could not replace
+    (a directory, say): the error naming it and the fix, else None. Checked before a run starts."""
+    pointer = Path(root) / LATEST
+    if os.path.lexists(pointer) and not pointer.is_file():
+        kind = "a directory" if pointer.is_dir() else "not a regular file"
+        return ConfigError("run.dir", str(root.parent), f"{pointer} is {kind}, where jetrl keeps the name of the "
+                           "newest checkpoint: move it away (the step_* directories are what resuming reads)")
+    return None
 
 
 def resume_refused(run_dir: Path, latest: Path) -> ConfigError:
@@ -90,17 +118,73 @@ class RunCheckpoints:
     def _staging(self, step: int) -> Path:
         return self.step_dir(step).with_name(self.step_dir(step).name + ".tmp")
 
+    def save(self, step: int, write: Callable[[Path], object], *, any_rank: Callable[[bool], bool]) -> Path:
+        """Collective. The checkpoint of ``step``: a fresh staging directory, ``write(staging)`` on
+        every rank, then published (``commit``); returns the final directory. ``any_rank`` reduces
+        a flag over all ranks (``signals.any_rank``); it is how the ranks agree after each phase.
+
+        When a phase fails on any rank, rank 0 removes the staging directory and every rank raises
+        ``RunSaveError`` (the failing rank's names its cause: no space, quota, an unwritable
+        path); the complete checkpoints are as they were. Any other exception (a bug) is re-raised
+        as it is on the rank that hit it, after the others have raised ``RunSaveError``."""
+        staging = self._staging(step)
+        phases = [lambda: self._open_staging(step) if self.rank == 0 else None, lambda: write(staging),
+                  lambda: self._publish(step) if self.rank == 0 else None]
+        for phase in phases:
+            error: Optional[BaseException] = None
+            try:
+                phase()
+            except (Exception, CheckpointException) as e:  # dcp's CheckpointException is a BaseException
+                error = e
+            if any_rank(error is not None):
+                written = tree_bytes(staging) if self.rank == 0 else 0
+                if self.rank == 0:
+                    shutil.rmtree(staging, ignore_errors=True)
+                failure = self._save_failed(step, error, written)
+                if failure is error:
+                    raise error
+                raise failure from error
+        return self.step_dir(step)
+
+    def _save_failed(self, step: int, error: Optional[BaseException], written: int) -> BaseException:
+        """The error ``save`` raises on this rank: its own cause in one line, or the other ranks'."""
+        last = self.latest()
+        resume = f"run the same command to continue from {last.name}" if last else "run the same command to start over"
+        where = f"saving the checkpoint of step {step} in {self.root}"
+        published = (self.step_dir(step) / COMPLETE).is_file()
+        kept = "it was published all the same" if published else "nothing of it was kept"
+        if error is None:
+            return RunSaveError(f"{where} failed on another rank (its log says why); {kept}: {resume}", local=False)
+        code = space_errno(error)
+        if code is not None:
+            what, fix = space_problem(code)
+            free = shutil.disk_usage(self.root).free if self.root.is_dir() else 0
+            wrote = f"{human_size(written)} written, removed; " if written >= 2**10 and not published else ""
+            return RunSaveError(f"{what} while {where} ({wrote}{human_size(free)} free): {fix} (or move run.dir "
+                                f"to a larger file system), then {resume}", local=True)
+        if isinstance(error, OSError):
+            name = f" {error.filename}" if error.filename else ""
+            return RunSaveError(f"{where}: cannot write{name} ({error.strerror or error}); {kept}: make run.dir "
+                                f"writable, then {resume}", local=True)
+        return error
+
     def begin(self, step: int) -> Path:
         """Collective. A fresh, empty staging directory for ``step`` (a stale one is removed)."""
-        staging = self._staging(step)
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir()
-            fsync_dir(self.root)
+            self._open_staging(step)
         self._barrier()
-        return staging
+        return self._staging(step)
+
+    def _open_staging(self, step: int) -> None:
+        staging = self._staging(step)
+        problem = pointer_problem(self.root)
+        if problem is not None:
+            raise problem
+        self.root.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+        fsync_dir(self.root)
 
     def commit(self, step: int) -> Path:
         """Collective. Publish the staging directory of ``step``; returns the final directory.
@@ -110,26 +194,29 @@ class RunCheckpoints:
         rolled back (``latest`` edited by hand to an older step) and are removed, so that neither
         the pointer nor the fallback scan can lead back to them.
         """
-        staging, final = self._staging(step), self.step_dir(step)
         self._barrier()
         if self.rank == 0:
-            if not staging.is_dir():
-                raise FileNotFoundError(f"{staging} does not exist: commit({step}) without begin({step})")
-            save_json_atomic(staging / COMPLETE, {"step": step, "world_size": self.world_size, "time": time.time()})
-            replaced = None
-            if final.exists():
-                replaced = final.with_name(final.name + ".replaced.tmp")
-                if replaced.exists():
-                    shutil.rmtree(replaced)
-                os.rename(final, replaced)
-            os.rename(staging, final)
-            fsync_dir(self.root)
-            write_atomic(self.root / LATEST, final.name + "\n")
-            self._prune(step)
-            if replaced is not None:
-                shutil.rmtree(replaced)
+            self._publish(step)
         self._barrier()
-        return final
+        return self.step_dir(step)
+
+    def _publish(self, step: int) -> None:
+        staging, final = self._staging(step), self.step_dir(step)
+        if not staging.is_dir():
+            raise FileNotFoundError(f"{staging} does not exist: commit({step}) without begin({step})")
+        save_json_atomic(staging / COMPLETE, {"step": step, "world_size": self.world_size, "time": time.time()})
+        replaced = None
+        if final.exists():
+            replaced = final.with_name(final.name + ".replaced.tmp")
+            if replaced.exists():
+                shutil.rmtree(replaced)
+            os.rename(final, replaced)
+        os.rename(staging, final)
+        fsync_dir(self.root)
+        write_atomic(self.root / LATEST, final.name + "\n")
+        self._prune(step)
+        if replaced is not None:
+            shutil.rmtree(replaced)
 
     def _complete_steps(self) -> list[int]:
         if not self.root.is_dir():
@@ -184,7 +271,11 @@ class RunCheckpoints:
     def resume_point(self, resume: bool) -> Optional[Path]:
         """Collective. Start of a run: what a crash left is cleaned up (``clean_stale``), then the
         newest complete checkpoint to resume from, or None for a fresh start. ConfigError on
-        ``run.resume`` when ``resume`` is false and there is one."""
+        ``run.resume`` when ``resume`` is false and there is one, or naming a ``latest`` that
+        cannot be replaced (``pointer_problem``)."""
+        problem = pointer_problem(self.root)
+        if problem is not None:
+            raise problem
         self.clean_stale()
         latest = self.latest()
         if latest is not None and not resume:

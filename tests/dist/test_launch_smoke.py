@@ -134,3 +134,91 @@ def test_smoke_skips_an_unreadable_state_and_names_it_then_refuses_when_none_is_
         "JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
         "move the broken ones away, or start over in a new run.dir"]
     assert "step 4/4" not in out
+
+
+FULL_ON_RANK_1 = """
+import errno, sys
+import megatron_jetrl.launch.smoke as smoke
+
+write = smoke._write
+
+
+def full_on_rank_1(staging, *, rank, me, step):  # the disk fills while rank 1 writes its part of step 2
+    if rank == 1 and step == 2:
+        (staging / "rank_00001.json").write_bytes(b"x" * 4096)
+        raise OSError(errno.ENOSPC, "No space left on device", str(staging / "rank_00001.json"))
+    write(staging, rank=rank, me=me, step=step)
+
+
+smoke._write = full_on_rank_1
+from megatron_jetrl.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """Rank 1 runs out of space while the step-2 checkpoint is written: both ranks stop (exit 4, not
+    requeued), rank 1 names the cause in one line, rank 0 points at it; no staging directory is left
+    and the step-1 checkpoint is what the next run resumes from."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", FULL_ON_RANK_1, "train", str(CONFIG), "--smoke",
+                               "--smoke-step-seconds", "0", f"run.dir={tmp_path / 'run'}", "run.steps=3",
+                               "run.save_every=1"],
+                              env=slurm_env(80, 2, rank, MASTER_PORT=str(port), PYTHONUNBUFFERED="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+             for rank in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [4, 4], [err[-3000:] for _, err in outs]
+    root = tmp_path / "run" / "smoke" / "checkpoints"
+    errors = [err.strip().splitlines() for _, err in outs]
+    assert errors[0] == [f"checkpoint save error: saving the checkpoint of step 2 in {root} failed on another "
+                         "rank (its log says why); nothing of it was kept: run the same command to continue from "
+                         "step_00000001"]
+    assert len(errors[1]) == 1 and errors[1][0].startswith(
+        f"checkpoint save error: no space left on device while saving the checkpoint of step 2 in {root} (")
+    assert errors[1][0].endswith("then run the same command to continue from step_00000001")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    code, out, err = smoke_once(tmp_path, "run.steps=3", "run.save_every=1")
+    assert code == 0 and f"resumed from {root / 'step_00000001'} (step 1)" in out, err[-3000:]
+
+
+def _local(tmp_path, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    return subprocess.Popen([sys.executable, "-m", "megatron_jetrl.cli", "train", str(CONFIG), "--smoke",
+                             "--nproc-per-node", "2", "--smoke-step-seconds", "0.2", f"run.dir={tmp_path / 'run'}",
+                             *args], env=dict(env, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+
+def test_nproc_per_node_forwards_a_stop_signal_and_exits_75_without_a_traceback(tmp_path):
+    """``jetrl train --nproc-per-node 2`` (this machine's launcher, in place of torchrun): SIGTERM
+    to the launcher only reaches both workers once; they checkpoint and stop, the launcher exits 75
+    with nothing but the workers' lines; the same command resumes."""
+    proc = _local(tmp_path, "run.steps=200", "run.save_every=2")
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "run" / "smoke" / "checkpoints" / "latest").is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)  # running: two steps done
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert "SIGTERM received: checkpoint of step" in out and out.count("smoke: done") == 0
+    stopped = int(out.split("SIGTERM received: checkpoint of step ")[1].split(" ")[0])
+    proc = _local(tmp_path, f"run.steps={stopped + 2}", "run.save_every=0")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and f"(step {stopped})" in out and f"step {stopped + 2}/{stopped + 2} ok" in out, err
+
+
+def test_nproc_per_node_passes_on_a_workers_error_and_is_refused_under_another_launcher(tmp_path):
+    proc = _local(tmp_path, "run.steps=1")
+    assert proc.communicate(timeout=60) and proc.returncode == 0
+    proc = _local(tmp_path, "run.steps=2", "run.resume=false")  # every worker refuses: one line, status 2
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1 and "run.resume: got False" in err, err
+    nested = subprocess.run([sys.executable, "-m", "megatron_jetrl.cli", "train", str(CONFIG), "--smoke",
+                             "--nproc-per-node", "2", f"run.dir={tmp_path / 'run'}"],
+                            env=slurm_env(81, 2, 0), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert nested.returncode == 2 and nested.stderr.strip() == (
+        "config error: --nproc-per-node: got 2; this process is already one of a launch (SLURM_PROCID is set): let "
+        "that launcher start the processes (srun --ntasks-per-node, torchrun --nproc-per-node) and drop "
+        "--nproc-per-node"), nested.stderr

@@ -221,7 +221,7 @@ def test_chat_message_prompts(tmp_path, hf_tok, hf_tok_plain):
 
 
 def test_parquet(tmp_path, hf_tok):
-    pa = pytest.importorskip("pyarrow", reason="pyarrow not installed (pip install pyarrow); Parquet loading untested")
+    import pyarrow as pa  # a dependency: the recipes' data format
     import pyarrow.parquet as pq
 
     table = pa.table({"problem": ["what is 2+2 ?", "what is 3+3 ?"], "solution": ["4", "6"]})

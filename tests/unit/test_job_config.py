@@ -504,3 +504,79 @@ def test_check_names_a_bad_world_size_variable(name, value, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert err == (f"config error: environment:{name}: got '{value}'; must be an integer >= 1 (the processes jetrl "
                    "check plans for); fix or unset it, or pass --world-size N\n")
+
+
+def _checkpointed_run(run_dir: Path, *overrides: str) -> None:
+    """A run dir whose newest checkpoint was made by the tiny job with ``overrides``."""
+    from megatron_jetrl.runtime import RunCheckpoints, save_json_atomic
+
+    job = tiny(f"run.dir={run_dir}", *overrides)
+    ckpts = RunCheckpoints(run_dir, 2, 0, 1, lambda: None)
+    ckpts.save(20, lambda staging: save_json_atomic(staging / "trainer_state.json", {"step": 20,
+                                                                                     "config": job.to_dict()}),
+               any_rank=bool)
+
+
+def test_resuming_with_what_the_run_learns_with_changed_is_refused_naming_each_key(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _checkpointed_run(run_dir)
+    code = cli_main(["check", str(TINY), f"run.dir={run_dir}", "precision.mode=bf16", "actor.optimizer.lr=1e-4",
+                     "algo.group_size=4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"config error: actor.optimizer.lr: got 0.0001; differs from the checkpoint this run resumes "
+                          f"({run_dir / 'checkpoints' / 'step_00000020'}: 0.0003); also algo.group_size (8 -> 4), "
+                          "precision.mode ('fp8' -> 'bf16'): set it back, use a new run.dir, or run.allow_changes="
+                          "[actor.optimizer.lr, algo.group_size, precision.mode] to change it on purpose"), err
+
+
+def test_resuming_with_operational_or_allowed_changes_goes_ahead(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _checkpointed_run(run_dir)
+    # more steps, another micro-batch size, the exact kernels, data moved: what it learns with is the same
+    assert cli_main(["check", str(TINY), f"run.dir={run_dir}", "run.steps=200", "actor.max_tokens_per_microbatch=4096",
+                     "precision.exact=true", "rollout.engine=vllm", "log.every=5"]) == 0
+    assert "differs from the checkpoint" not in capsys.readouterr().err
+    assert cli_main(["check", str(TINY), f"run.dir={run_dir}", "actor.optimizer.lr=1e-4",
+                     "run.allow_changes=[actor.optimizer]"]) == 0, capsys.readouterr().err
+    assert cli_main(["check", str(TINY), f"run.dir={run_dir}", "actor.optimizer.lr=1e-4", "run.resume=false"]) == 2
+    assert "run.resume: got False" in capsys.readouterr().err  # a fresh start there is refused on its own terms
+
+
+def test_a_checkpoint_from_a_release_with_other_keys_resumes(tmp_path):
+    from megatron_jetrl.job.config import resume_changes
+
+    job = tiny()
+    saved = job.to_dict()
+    saved["algo"]["loss"]["a_key_of_another_release"] = 1
+    del saved["algo"]["loss"]["kl_type"]
+    assert resume_changes(job, saved) == []
+    saved["algo"]["loss"]["kl_coef"] = 0.5
+    assert resume_changes(job, saved) == [("algo.loss.kl_coef", 0.5, 0.0)]
+
+
+@pytest.fixture(scope="module")
+def converted_qwen3(tmp_path_factory):
+    """A tiny random Qwen3 in HF form and converted to megatron (2 layers, hidden 256, vocab 1000)."""
+    from tests.model_fixtures import load_tool, save_tiny_hf
+
+    root = tmp_path_factory.mktemp("qwen3")
+    save_tiny_hf("Qwen3ForCausalLM", root / "hf")
+    assert load_tool("convert_hf_to_megatron")(["--hf-dir", str(root / "hf"), "--out-dir", str(root / "mg")]) == 0
+    return root
+
+
+def test_an_initial_checkpoint_of_another_model_is_refused_by_check(tmp_path, capsys, converted_qwen3):
+    hf, mg = converted_qwen3 / "hf", converted_qwen3 / "mg"
+    run = f"run.dir={tmp_path / 'run'}"
+    assert cli_main(["check", str(TINY), run, f"model.hf_config={hf}", "model.config={}",
+                     f"model.checkpoint={mg}"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    # the tiny example's own model (4 layers, vocab 64) from the same checkpoint
+    assert cli_main(["check", str(TINY), run, f"model.checkpoint={mg}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"config error: model.checkpoint: got '{mg}'; does not hold this job's model (checkpoint "
+                          f"{mg} tensor "), err
+    assert err.endswith("name the checkpoint tools/convert_hf_to_megatron.py wrote from model.hf_config's model, or "
+                        "the model.hf_config it was converted from"), err

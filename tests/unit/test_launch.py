@@ -150,3 +150,18 @@ def test_apply_env_sets_required_and_defaults_and_refuses_conflicts():
     assert apply_env(env, {"VLLM_USE_DEEP_GEMM_E8M0": "0"}) == []
     with pytest.raises(LaunchError, match="VLLM_USE_DEEP_GEMM_E8M0"):
         apply_env({"VLLM_USE_DEEP_GEMM_E8M0": "1"}, {"VLLM_USE_DEEP_GEMM_E8M0": "0"})
+
+
+def test_the_local_launchers_status_and_worker_variables():
+    from megatron_jetrl.launch import detect
+    from megatron_jetrl.launch.local import job_status, worker_env
+
+    assert job_status([0, 0]) == 0
+    assert job_status([75, 75]) == 75 and job_status([0, 75]) == 75
+    assert job_status([75, 1, 2]) == 1  # a failure wins over a stop; the first one
+    assert job_status([0, -9]) == 137 and job_status([0, None]) == 137  # killed, as the shell says it
+    env = worker_env({"PATH": "/bin", "SLURM_JOB_ID": "5", "SLURM_PROCID": "0", "SLURM_STEP_ID": "batch"}, 1, 4, 2900)
+    placement = detect(env)
+    assert (placement.launcher, placement.rank, placement.world_size, placement.local_rank) == ("torchrun", 1, 4, 1)
+    assert (placement.num_nodes, placement.master_port, placement.job_id) == (1, 2900, "5")
+    assert "SLURM_PROCID" not in env and env["PATH"] == "/bin"

@@ -74,18 +74,19 @@ def test_recipe_parameter_counts(paths):
 def test_32b_on_one_node_does_not_fit_and_says_what_to_change(paths, capsys):
     name, _ = RECIPES["32b"]
     code = main(["check", str(CONFIGS / name), "--nodes", "1", *overrides(paths, "32b")])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "does not fit in memory" in out
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.startswith("config error: memory plan: ") and "does not fit in memory (79.1 GiB per GPU" in err
+    assert len(err.strip().splitlines()) == 1 and "config OK" not in out
     assert "WARNING: the estimated peak per GPU is" in out and "more GPUs" in out
 
 
 def test_activation_warning_names_recompute(paths, capsys):
     name, nodes = RECIPES["8b"]
-    main(["check", str(CONFIGS / name), "--nodes", str(nodes), *overrides(paths, "8b"), "actor.recompute=none",
-          "actor.parallel.sequence_parallel=false"])
-    out = capsys.readouterr().out
-    assert "does not fit" in out and "actor.recompute=full" in out
+    code = main(["check", str(CONFIGS / name), "--nodes", str(nodes), *overrides(paths, "8b"), "actor.recompute=none",
+                 "actor.parallel.sequence_parallel=false"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "does not fit" in err and "actor.recompute=full" in out
 
 
 def test_memory_terms_by_hand(paths):

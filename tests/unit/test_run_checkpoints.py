@@ -1,6 +1,7 @@
 """Run checkpoints: atomic publication, pruning, crash recovery, and exact RNG resume (one process;
 tests/dist/test_run_checkpoints_dist.py runs the protocol with a real barrier)."""
 
+import errno
 import json
 import os
 import random
@@ -9,8 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_jetrl.config import ConfigError
+from megatron_jetrl.job import load_job
 from megatron_jetrl.runtime import (
-    COMPLETE, LATEST, RunCheckpoints, load_rng, rng_fingerprint, rng_path, save_json_atomic, save_rng, write_atomic,
+    COMPLETE, LATEST, RunCheckpoints, RunSaveError, load_rng, rng_fingerprint, rng_path, save_json_atomic, save_rng,
+    write_atomic,
 )
 from megatron_jetrl.runtime import run_checkpoints as checkpoints_module
 
@@ -240,3 +244,102 @@ def test_rng_file_loads_with_weights_only_and_missing_rank_is_named(tmp_path):
         load_rng(tmp_path, 1)
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "rng").iterdir())
     assert os.listdir(tmp_path / "rng") == ["rank_00000.pt"]
+
+
+# ------------------------------------------------------------------ save: failures agreed across ranks
+
+
+def _no_space(staging):
+    (staging / "actor").mkdir()
+    (staging / "actor" / "part").write_bytes(b"x" * 4096)
+    raise OSError(errno.ENOSPC, "No space left on device", str(staging / "actor" / "part"))
+
+
+def _hidden_no_space(staging):
+    """How torch.distributed.checkpoint reports it: each rank's error wrapped, not chained."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        _no_space(staging)
+    except OSError as e:
+        raise CheckpointException("save failed", {0: _wrap_exception(e)}) from None
+
+
+def test_save_publishes_like_begin_and_commit(tmp_path):
+    ck = _ckpts(tmp_path)
+    final = ck.save(3, lambda staging: (staging / "trainer_state.json").write_text("{}"), any_rank=bool)
+    assert final == ck.step_dir(3) == ck.latest() and (final / COMPLETE).is_file()
+
+
+@pytest.mark.parametrize("write", [_no_space, _hidden_no_space], ids=["ENOSPC", "in-CheckpointException"])
+def test_a_full_disk_at_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, write):
+    ck = _ckpts(tmp_path)
+    _save(ck, 1, payload="kept")
+    with pytest.raises(RunSaveError) as e:
+        ck.save(2, write, any_rank=bool)
+    message = str(e.value)
+    assert "\n" not in message and e.value.local
+    assert message.startswith(f"no space left on device while saving the checkpoint of step 2 in {tmp_path}")
+    assert "4 KiB written, removed" in message and "continue from step_00000001" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [LATEST, "step_00000001"]
+    assert _state(ck.latest())["payload"] == "kept"
+
+
+def test_an_unwritable_file_at_save_names_it(tmp_path):
+    ck = _ckpts(tmp_path)
+
+    def write(staging):
+        raise PermissionError(errno.EACCES, "Permission denied", str(staging / "rng"))
+
+    with pytest.raises(RunSaveError, match=r"cannot write .*step_00000004.tmp/rng \(Permission denied\); nothing "
+                                           r"of it was kept: make run.dir writable, then run the same command to "
+                                           r"start over"):
+        ck.save(4, write, any_rank=bool)
+    assert ck.latest() is None and not ck._staging(4).exists()
+
+
+def test_a_failure_on_another_rank_stops_this_one_too(tmp_path):
+    """This rank wrote its part; another did not (``any_rank`` says so): the staging directory is
+    removed by rank 0 and this rank raises too, saying the other rank's log has the cause."""
+    ck = _ckpts(tmp_path)
+    _save(ck, 1)
+    with pytest.raises(RunSaveError, match="failed on another rank .*continue from step_00000001") as e:
+        ck.save(2, lambda staging: (staging / "part").write_text("x"), any_rank=lambda flag: True)
+    assert not e.value.local and not ck._staging(2).exists() and ck.latest() == ck.step_dir(1)
+
+
+def test_a_bug_in_the_writer_is_raised_as_it_is(tmp_path):
+    ck = _ckpts(tmp_path)
+
+    def write(staging):
+        raise KeyError("sampler")
+
+    with pytest.raises(KeyError, match="sampler"):
+        ck.save(2, write, any_rank=bool)
+    assert not ck._staging(2).exists()
+
+
+def test_a_full_disk_while_publishing_leaves_no_staging_dir(tmp_path, monkeypatch):
+    ck = _ckpts(tmp_path)
+    _save(ck, 1)
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints_module, "save_json_atomic", full)  # COMPLETE cannot be written
+    with pytest.raises(RunSaveError, match="no space left on device while saving the checkpoint of step 2"):
+        ck.save(2, lambda staging: (staging / "part").write_text("x"), any_rank=bool)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [LATEST, "step_00000001"]
+
+
+def test_a_latest_that_is_a_directory_is_refused_before_the_run_and_at_save(tmp_path):
+    ck = _ckpts(tmp_path)
+    (tmp_path / "checkpoints" / LATEST).mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"checkpoints/latest is a directory, where jetrl keeps the name of the "
+                                          r"newest checkpoint: move it away"):
+        ck.resume_point(True)
+    with pytest.raises(ConfigError, match="is a directory"):
+        ck.save(1, lambda staging: None, any_rank=bool)
+    with pytest.raises(ConfigError, match="is a directory") as e:  # what jetrl check and train ask first
+        load_job("examples/configs/tiny_countdown.yaml", [f"run.dir={tmp_path}"]).run.check_dir()
+    assert e.value.key == "run.dir"
