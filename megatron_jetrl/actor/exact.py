@@ -10,7 +10,7 @@ ordinary gradient (the backward never has to match anything):
   linear of a BF16 layer); backward ``dx = dy·W``, ``dW = dyᵀ·x`` with torch's matmul.
 - ``exact_attention``: FlashAttention over a paged view of the packed K/V with one split, as vLLM
   attends (with an FP8 KV cache: q, k, v quantized by the cache's scales, K/V written by vLLM's
-  cache kernel, queries in the chunks vLLM schedules them in, ``ops.exact.FP8_KV_QUERY_ROWS``), the
+  cache kernel, queries in the chunks vLLM schedules them in, ``precision.exact.FP8_KV_QUERY_ROWS``), the
   paged layout computed once per micro-batch; backward FlashAttention-2's (torch's, the trainer's
   usual kernel) from that forward's output and log-sum-exp, on the same BF16 q, k, v; with an FP8 KV
   cache on the values the cache holds (``fp8_cache_values``: the gradient at the point the forward
@@ -39,8 +39,9 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from megatron_jetrl.ops.exact import (ExactUnavailable, KvPages, VllmKernels, fp8_kv_query_chunk, kv_pages, paged_kv,
-                                      query_chunks, rope, rope_inv_freq, silu_mul, static_fp8_quant)
+from megatron_jetrl.ops.exact import (KvPages, VllmKernels, kv_pages, paged_kv, query_chunks, rope, rope_inv_freq,
+                                      silu_mul, static_fp8_quant)
+from megatron_jetrl.precision.exact import ExactUnavailable, fp8_kv_query_chunk
 from megatron_jetrl.ops.rms_norm import rms_norm
 from megatron_jetrl.precision.quant import E4M3_MAX
 
@@ -204,7 +205,7 @@ class _ExactAttentionFn(torch.autograd.Function):
                                        "(version 3, Hopper); this one does not")
             q_scale, k_scale, v_scale = kv_scales[0:1], kv_scales[1:2], kv_scales[2:3]
             k_pages, v_pages = kernels.fp8_pages(k.contiguous(), v.contiguous(), pages, k_scale, v_scale)
-            chunk = fp8_kv_query_chunk(q.shape[1], k.shape[1])  # the kernel vLLM's steps run (ops.exact)
+            chunk = fp8_kv_query_chunk(q.shape[1], k.shape[1])  # the kernel vLLM's steps run (precision.exact)
             cu_q, used, table = query_chunks(cu_seqlens, pages, q.shape[0], chunk)
             out, lse = kernels.paged_attention(static_fp8_quant(q.contiguous(), q_scale), k_pages, v_pages, cu_q,
                                                used, table, max_seqlen, scale, descales=(q_scale, k_scale, v_scale),

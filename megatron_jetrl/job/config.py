@@ -32,8 +32,8 @@ from megatron_jetrl.algo.settings import AlgoSettings
 from megatron_jetrl.config import ConfigError, apply_overrides, build, check_integer, load_yaml, to_plain
 from megatron_jetrl.data.settings import DataSettings, RewardSettings
 from megatron_jetrl.models import ModelBridge, bridge_for
-from megatron_jetrl.ops.exact import fp8_kv_query_chunk
 from megatron_jetrl.precision import PrecisionRecipe
+from megatron_jetrl.precision.exact import EXACT_MAX_PP, EXACT_MAX_TP, fp8_kv_query_chunk, model_problem
 from megatron_jetrl.rollout.engines import ENGINES, engine_kind
 from megatron_jetrl.rollout.settings import RolloutSettings
 from megatron_jetrl.runtime.metrics import LogSettings
@@ -343,14 +343,15 @@ def load_job(path: str | Path | None, overrides: Sequence[str] = (), *, raw: Map
 
 def _check_together(job: JobConfig) -> None:
     """Rules across sections (each section validated itself already)."""
+    options = job.rollout.options
     if job.actor.fp8_backend == "te" and job.rollout.fp8_kv_cache:
         # the per-step q/k/v scales come from the local layer spec's attention (actor.py: _kv_observed)
         raise ConfigError("actor.fp8_backend", "te",
                           "cannot calibrate an FP8 KV cache (its per-step q/k/v scales come from the native "
                           "backend's attention; Transformer Engine's is not instrumented): use "
-                          "actor.fp8_backend=native, or rollout.vllm.kv_cache_dtype=auto")
+                          f"actor.fp8_backend=native, or {options.kv_cache_key}=auto")
     if job.rollout.fp8_kv_cache and not job.precision.rollout_fp8:
-        raise ConfigError("rollout.vllm.kv_cache_dtype", "fp8",
+        raise ConfigError(options.kv_cache_key, "fp8",
                           f"an FP8 KV cache goes with FP8 rollout; precision.mode is {job.precision.mode.value!r}")
     if job.precision.exact:
         _check_exact(job)
@@ -362,50 +363,32 @@ def _check_together(job: JobConfig) -> None:
     if job.run.eval_every and job.data.eval is None:
         raise ConfigError("run.eval_every", job.run.eval_every,
                           "evaluates data.eval, which is not set: set data.eval, or run.eval_every=0")
-    hf_slots = job.longest_sequence - 1  # KV slots of one prompt + response (the last token is not cached)
-    if job.rollout.engine == "hf" and job.rollout.hf.max_batch_tokens < hf_slots:
-        raise ConfigError("rollout.hf.max_batch_tokens", job.rollout.hf.max_batch_tokens,
-                          f"must hold one prompt + response ({hf_slots} KV-cache slots: data max_prompt_tokens + "
-                          "rollout.sampling.max_new_tokens - 1)")
+    options.check_sequence(job.longest_sequence)
     overlong, max_new = job.data.overlong, job.rollout.sampling.max_new_tokens
     if overlong.mode == "soft" and overlong.buffer_tokens > max_new:
         raise ConfigError("data.overlong.buffer_tokens", overlong.buffer_tokens,
                           f"must not exceed rollout.sampling.max_new_tokens ({max_new}): the soft penalty ramps "
                           "over the last buffer_tokens of a response")
-    limit = job.rollout.options.context_limit
-    if limit is not None and limit < job.longest_sequence:
-        raise ConfigError(f"rollout.{job.rollout.engine}.max_model_len", limit,
-                          f"must hold the longest prompt + response ({job.longest_sequence} tokens: "
-                          "data max_prompt_tokens + rollout.sampling.max_new_tokens); leave it unset to use that")
-
-
-EXACT_MAX_TP = 2
-"""The largest tensor parallelism an exact rollout runs at (equal on both sides)."""
 
 
 def _check_exact(job: JobConfig) -> None:
     """What an exact rollout (``precision.exact``) needs besides the precision mode: one layout both
-    sides compute alike, and the kernels the exact forward is made of (``ops/exact.py``)."""
-    par, vllm = job.actor.parallel, job.rollout.vllm
+    sides compute alike (``precision/exact.py``), an engine that supports it, and the engine's own
+    rules for its options (``exact_rules`` of its options section)."""
+    par, kind = job.actor.parallel, engine_kind(job.rollout)
     need = [
-        ("rollout.engine", job.rollout.engine, engine_kind(job.rollout).exact,
-         "the exact forward is vLLM's batch-invariant mode plus the trainer's kernels: set rollout.engine="
-         + " or ".join(name for name, kind in ENGINES.items() if kind.exact)),
+        ("rollout.engine", job.rollout.engine, kind.exact,
+         "the exact forward is an engine's batch-invariant mode plus the trainer's kernels: set rollout.engine="
+         + " or ".join(name for name, k in ENGINES.items() if k.exact)),
         ("actor.fp8_backend", job.actor.fp8_backend, job.actor.fp8_backend == "native",
          "Transformer Engine's layers compute with TE's kernels, not the engine's: set actor.fp8_backend=native"),
         ("actor.parallel.tp", par.tp, par.tp <= EXACT_MAX_TP,
          f"the exact rollout runs at TP 1 or 2 (the TP all-reduce of two partial sums is one addition, the same "
          f"on both sides; more ranks add in orders each side picks for itself): set actor.parallel.tp="
          f"{EXACT_MAX_TP} or 1"),
-        ("rollout.vllm.tensor_parallel_size", vllm.tensor_parallel_size, vllm.tensor_parallel_size == par.tp,
-         f"the exact rollout needs the trainer's layout in the engine (each rank the same slices of every GEMM): "
-         f"set rollout.vllm.tensor_parallel_size={par.tp} (actor.parallel.tp)"),
-        ("actor.parallel.pp", par.pp, par.pp == 1, "the exact rollout is verified at PP 1: set actor.parallel.pp=1"),
-        ("rollout.vllm.attention_backend", vllm.attention_backend, vllm.attention_backend in ("auto", "flash_attn"),
-         "the trainer's exact attention is FlashAttention's forward: set rollout.vllm.attention_backend=auto or "
-         "flash_attn"),
-        ("rollout.vllm.activation_quant", vllm.activation_quant, vllm.activation_quant == "trainer",
-         "vLLM must quantize activations with the trainer's kernel: set rollout.vllm.activation_quant=trainer"),
+        ("actor.parallel.pp", par.pp, par.pp <= EXACT_MAX_PP,
+         f"the exact rollout is verified at PP {EXACT_MAX_PP}: set actor.parallel.pp={EXACT_MAX_PP}"),
+        *(job.rollout.options.exact_rules(par.tp) if kind.exact else []),
         ("algo.correction.mode", job.algo.correction.mode,
          job.algo.correction.mode == "none" or job.precision.exact_mismatch == "correct",
          "with an exact rollout the trainer's logprobs equal the rollout's: there is nothing to correct, set "
@@ -421,13 +404,9 @@ def check_exact_model(bridge: ModelBridge) -> None:
     """The model side of ``precision.exact``: rotary embeddings the exact ``rope`` computes (plain,
     the whole head, no scaling) and hidden sizes the exact norm takes (multiples of 128)."""
     d = bridge.dims
-    if d.rope_scaling_factor is not None:
-        raise ConfigError("precision.exact", True, f"the model scales its rotary embedding (factor "
-                          f"{d.rope_scaling_factor}); the exact rope is the plain one: set precision.exact=false")
-    for name, n in (("hidden_size", d.hidden_size), ("head_dim", d.head_dim)):
-        if n % 128:
-            raise ConfigError("precision.exact", True, f"the exact RMSNorm takes rows of a multiple of 128 values; "
-                              f"the model's {name} is {n}: set precision.exact=false")
+    problem = model_problem(rope_scaling_factor=d.rope_scaling_factor, hidden_size=d.hidden_size, head_dim=d.head_dim)
+    if problem is not None:
+        raise ConfigError("precision.exact", True, problem)
 
 
 def missing_inputs(job: JobConfig) -> list[tuple[str, str, str]]:
@@ -478,7 +457,7 @@ def resolve(job: JobConfig, world_size: int, hf_config: Optional[dict[str, Any]]
     dp = job.actor.data_parallel_size(world_size)
     rollout_tp = job.rollout.tp
     if world_size % rollout_tp:
-        raise ConfigError("rollout.vllm.tensor_parallel_size", rollout_tp,
+        raise ConfigError(job.rollout.options.tp_key, rollout_tp,
                           f"must divide the world size ({world_size} processes)")
     longest = job.longest_sequence
     limit = job.actor.max_seq_len or bridge.dims.max_position_embeddings
@@ -537,7 +516,7 @@ class Resolved:
 
     def _exact_note(self, job: JobConfig) -> str:
         """The precision line's note on an exact rollout: with an FP8 KV cache the engine prefills a
-        prompt a few tokens a step (``ops.exact.FP8_KV_QUERY_ROWS``), which a user should know."""
+        prompt a few tokens a step (``precision.exact.FP8_KV_QUERY_ROWS``), which a user should know."""
         if not job.precision.exact:
             return ""
         status = engine_kind(job.rollout).exact_status()
@@ -550,10 +529,8 @@ class Resolved:
     @staticmethod
     def _rollout_gemm_note(job: JobConfig) -> str:
         """vLLM's block-FP8 GEMM, ``auto`` resolved (DeepGEMM JIT-compiles at a cold start)."""
-        if job.rollout.engine != "vllm" or not job.precision.rollout_fp8:
-            return ""
-        gemm = job.rollout.options.fp8_gemm_kernel
-        return ", block-FP8 GEMM " + ("DeepGEMM" if gemm == "deep_gemm" else "CUTLASS")
+        label = job.rollout.options.fp8_gemm_label
+        return f", block-FP8 GEMM {label}" if label is not None and job.precision.rollout_fp8 else ""
 
     def describe(self, job: JobConfig, gpu_bytes: float | None = None) -> list[str]:
         """The layout and the memory plan (against a GPU of ``gpu_bytes``, when given)."""

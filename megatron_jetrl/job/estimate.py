@@ -61,7 +61,11 @@ class MemoryEstimate:
     activations: float
     rollout_weights: float
     rollout_kv_cache: float
-    vllm_share: float | None
+    engine_share: float | None
+    """The share of the GPU an engine that sizes its own memory claims (vLLM), or None: then its
+    weights and KV cache are the terms above."""
+    share_key: str | None
+    """The config key of ``engine_share``."""
     offload_actor: bool
     host_offload: float
 
@@ -70,9 +74,9 @@ class MemoryEstimate:
         return self.trainer_weights + self.trainer_grads + self.optimizer + self.fp8_copies + self.activations
 
     def rollout_total(self, capacity: float | None = None) -> float:
-        """Bytes of the engine while it generates; vLLM's is its share of ``capacity``."""
-        if self.vllm_share is not None:
-            return self.vllm_share * capacity if capacity is not None else 0.0
+        """Bytes of the engine while it generates; one with a share claims it of ``capacity``."""
+        if self.engine_share is not None:
+            return self.engine_share * capacity if capacity is not None else 0.0
         return self.rollout_weights + self.rollout_kv_cache
 
     def peak(self, capacity: float | None = None) -> float:
@@ -98,8 +102,8 @@ class MemoryEstimate:
             return []
         gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
         out = [f"the estimated peak per GPU is {gib(peak)}, over the GPU's {gib(capacity)}"]
-        if self.vllm_share is not None and not self.offload_actor:
-            out.append(f"the engine keeps rollout.vllm.gpu_memory_utilization={self.vllm_share} of the GPU next to "
+        if self.engine_share is not None and not self.offload_actor:
+            out.append(f"the engine keeps {self.share_key}={self.engine_share} of the GPU next to "
                        f"the trainer's {gib(self.trainer_total)}: set rollout.offload_actor=true or lower it")
         elif not self.offload_actor:
             out.append(f"trainer ({gib(self.trainer_total)}) and engine ({gib(self.rollout_total(capacity))}) are "
@@ -117,8 +121,8 @@ class MemoryEstimate:
         rows = [("trainer weights", self.trainer_weights), ("trainer grads (fp32)", self.trainer_grads),
                 ("optimizer (fp32, /DP)", self.optimizer), ("fp8 weight copies", self.fp8_copies),
                 ("activations", self.activations), ("trainer total", self.trainer_total)]
-        if self.vllm_share is not None:
-            rows.append((f"vllm share ({self.vllm_share:g} x GPU)", self.rollout_total(capacity)))
+        if self.engine_share is not None:
+            rows.append((f"engine share ({self.engine_share:g} x GPU)", self.rollout_total(capacity)))
         else:
             rows += [("rollout weights", self.rollout_weights), ("rollout kv cache", self.rollout_kv_cache)]
         rows += [("runtime reserve", self.runtime_reserve(capacity)),
@@ -163,7 +167,7 @@ def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutS
     activations = stage * par.pp + tokens * bridge.padded_vocab_size(par.tp) / par.tp * 8
 
     rollout_bytes = linear * (1 if actor.precision.rollout_fp8 else 2) + (total - linear) * 2
-    kv_cache, vllm_share = rollout.options.memory(d)
+    kv_cache, engine_share = rollout.options.memory(d)
     return MemoryEstimate(
         total_params=total,
         trainer_weights=local * 2,
@@ -173,7 +177,8 @@ def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutS
         activations=activations,
         rollout_weights=rollout_bytes / rollout.tp,
         rollout_kv_cache=kv_cache,
-        vllm_share=vllm_share,
+        engine_share=engine_share,
+        share_key=rollout.options.share_key,
         offload_actor=rollout.offload_actor,
         host_offload=local * 2 + local * 12 / dp,
     )

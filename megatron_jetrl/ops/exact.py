@@ -2,7 +2,7 @@
 only on that token's inputs (batch invariance), called by both the trainer and vLLM, so that the
 rollout's logprob of every token equals the trainer's bit for bit.
 
-Two kinds, one list (``EXACT_OPS``):
+Two kinds, one list (``precision/exact.py``: ``EXACT_KERNELS``, the contract these kernels implement):
 
 - **defined here** and run by vLLM through out-of-tree custom ops (``rollout/vllm_exact.py``) and by
   the trainer's layers (``actor/exact.py``):
@@ -47,40 +47,7 @@ from megatron_jetrl.ops.extension import load_extension
 from megatron_jetrl.ops.quantize import quantize_rows, rows_scale_layout
 from megatron_jetrl.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
 from megatron_jetrl.precision import E4M3_MAX, GROUP_1x128, Fp8Tensor, quantize_fp8_blockwise
-
-EXACT_OPS = ("embedding", "rms_norm", "residual_add", "qk_norm", "rope", "kv_quant", "attention", "silu_mul",
-             "fp8_gemm", "bf16_gemm", "lm_head", "token_logprob")
-"""Every op of a dense decoder's forward, in order; each is one kernel on both sides in the exact
-mode (embedding and the residual add are a gather and a BF16 add: exact by themselves)."""
-
-KV_PAGE = 16
-"""Tokens per KV-cache page: vLLM's block size in the exact mode (``llm_kwargs`` sets it) and the
-page size of the trainer's paged view of its K/V, so both call FlashAttention the same way."""
-
-
-class ExactUnavailable(RuntimeError):
-    """A kernel of the exact forward is missing: the exact mode refuses to run rather than fall
-    back to a kernel that rounds differently."""
-
-
-FP8_KV_QUERY_ROWS = 64
-"""FlashAttention 3 computes FP8 attention over a paged cache with 64-row query tiles and 96-key
-blocks when a call's longest query times its query heads per KV head is at most this (one MMA
-warpgroup), else with 128 x 160 tiles: the keys are then summed in other blocks and the FP8
-probabilities round differently, so a decode step and a prefill would not agree. (Over a BF16
-cache both kernels take 128-key blocks.) With an FP8 KV cache the exact mode keeps every call on the
-first kernel: vLLM schedules at most ``fp8_kv_query_chunk`` new tokens of a request per step
-(``long_prefill_token_threshold``) and the trainer attends in chunks of that many queries."""
-
-
-def fp8_kv_query_chunk(q_heads: int, kv_heads: int) -> int:
-    """Query tokens per attention segment with an FP8 KV cache in the exact mode (``FP8_KV_QUERY_ROWS``)."""
-    group = q_heads // kv_heads
-    if group < 1 or q_heads % kv_heads or group > FP8_KV_QUERY_ROWS:
-        raise ExactUnavailable(f"{q_heads} query heads over {kv_heads} KV heads: FP8 attention has no exact "
-                               f"schedule for more than {FP8_KV_QUERY_ROWS} query heads per KV head")
-    return FP8_KV_QUERY_ROWS // group
-
+from megatron_jetrl.precision.exact import KV_PAGE, ExactUnavailable
 
 # ---------------------------------------------------------------- defined here (both homes)
 

@@ -1,10 +1,11 @@
 """The table of rollout engines (``ENGINES``), by ``rollout.engine`` name.
 
-Each engine has its options section in ``settings.py`` and one ``EngineKind`` here: what it can do
-(the exact rollout), the environment it must be imported
-with, what the machine must have, and its factory. No code outside this table tests
-``rollout.engine`` by name. The factories import their engine when called, so the table imports
-quickly for config validation.
+Each engine has its options section in ``settings.py`` (its keys, its own validation, what it needs
+for a job's sequences and for an exact rollout: ``check_sequence``, ``exact_rules``, the keys other
+rules name) and one ``EngineKind`` here: what it can do (the exact rollout), the environment it must
+be imported with, what the machine must have, and its factory. No code outside ``rollout/`` tests
+``rollout.engine`` by name (``tests/unit/test_engines.py`` keeps it so). The factories import their
+engine when called, so the table imports quickly for config validation.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ The number of samples per prompt is ``algo.group_size`` and the sampling seed de
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, Union
 
 from megatron_jetrl.config import ConfigError, check_fields, check_integer, check_number
+from megatron_jetrl.precision.exact import ATTENTION_KERNEL
 from megatron_jetrl.rollout.base import SamplingParams
 
 if TYPE_CHECKING:
@@ -26,6 +27,11 @@ class HfOptions:
     what its sleep does with the weights: drop them (default; the next sync overwrites them all
     anyway, so copying them to host and back each step would only cost time and host memory) or,
     with ``sleep_keeps_weights``, keep them in (pinned) host memory for a later wake."""
+
+    section: ClassVar[str] = "rollout.hf"
+    tp_key: ClassVar[str] = "rollout.engine"  # the hf engine runs at TP 1: its TP has no key
+    kv_cache_key: ClassVar[Optional[str]] = None
+    share_key: ClassVar[Optional[str]] = None
 
     max_num_seqs: int = 256
     max_batch_tokens: int = 131072
@@ -54,9 +60,22 @@ class HfOptions:
         return True
 
     @property
-    def context_limit(self) -> Optional[int]:
-        """The longest prompt + response the engine takes (None: the model's own limit)."""
+    def fp8_gemm_label(self) -> Optional[str]:
+        """The block-FP8 GEMM library the engine runs, for the layout line (None: its own)."""
         return None
+
+    def check_sequence(self, longest: int) -> None:
+        """The engine holds one prompt + response of ``longest`` tokens; ConfigError naming its key."""
+        slots = longest - 1  # KV slots of one prompt + response (the last token is not cached)
+        if self.max_batch_tokens < slots:
+            raise ConfigError(f"{self.section}.max_batch_tokens", self.max_batch_tokens,
+                              f"must hold one prompt + response ({slots} KV-cache slots: data max_prompt_tokens + "
+                              "rollout.sampling.max_new_tokens - 1)")
+
+    def exact_rules(self, trainer_tp: int) -> list[tuple[str, Any, bool, str]]:
+        """(key, value, holds, fix) of what an exact rollout needs of these options: the hf engine
+        cannot run one (``EngineKind.exact``), so none."""
+        return []
 
     def memory(self, dims: "ModelDims") -> tuple[float, Optional[float]]:
         """(KV-cache bytes, share of the GPU the engine claims): its cache holds ``max_batch_tokens``."""
@@ -67,6 +86,11 @@ class HfOptions:
 @dataclass(frozen=True)
 class VllmOptions:
     """The ``rollout.vllm`` section: how the engine runs (precision is the recipe's, not here)."""
+
+    section: ClassVar[str] = "rollout.vllm"
+    tp_key: ClassVar[str] = "rollout.vllm.tensor_parallel_size"
+    kv_cache_key: ClassVar[Optional[str]] = "rollout.vllm.kv_cache_dtype"
+    share_key: ClassVar[Optional[str]] = "rollout.vllm.gpu_memory_utilization"
 
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
@@ -143,12 +167,39 @@ class VllmOptions:
         return self.weight_update == "in_place"
 
     @property
-    def context_limit(self) -> Optional[int]:
-        return self.max_model_len
+    def fp8_gemm_label(self) -> Optional[str]:
+        return "DeepGEMM" if self.fp8_gemm_kernel == "deep_gemm" else "CUTLASS"
+
+    def check_sequence(self, longest: int) -> None:
+        if self.max_model_len is not None and self.max_model_len < longest:
+            raise ConfigError(f"{self.section}.max_model_len", self.max_model_len,
+                              f"must hold the longest prompt + response ({longest} tokens: data max_prompt_tokens + "
+                              "rollout.sampling.max_new_tokens); leave it unset to use that")
+
+    def exact_rules(self, trainer_tp: int) -> list[tuple[str, Any, bool, str]]:
+        """(key, value, holds, fix) of what an exact rollout needs of vLLM: the trainer's layout,
+        the contract's attention kernel (``VLLM_ATTENTION_BACKENDS``) and the trainer's activation
+        quantization."""
+        k, backends = self.section, VLLM_ATTENTION_BACKENDS[ATTENTION_KERNEL]
+        return [
+            (f"{k}.tensor_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == trainer_tp,
+             f"the exact rollout needs the trainer's layout in the engine (each rank the same slices of every "
+             f"GEMM): set {k}.tensor_parallel_size={trainer_tp} (actor.parallel.tp)"),
+            (f"{k}.attention_backend", self.attention_backend, self.attention_backend in backends,
+             f"the trainer's exact attention is FlashAttention's forward: set {k}.attention_backend="
+             + " or ".join(backends)),
+            (f"{k}.activation_quant", self.activation_quant, self.activation_quant == "trainer",
+             f"vLLM must quantize activations with the trainer's kernel: set {k}.activation_quant=trainer"),
+        ]
 
     def memory(self, dims: "ModelDims") -> tuple[float, Optional[float]]:
         """vLLM sizes its own KV cache within ``gpu_memory_utilization`` of the GPU."""
         return 0.0, self.gpu_memory_utilization
+
+
+VLLM_ATTENTION_BACKENDS = {"flash_attention": ("auto", "flash_attn")}
+"""``rollout.vllm.attention_backend`` values that run each attention kernel of the exact contract
+(``precision.exact.ATTENTION_KERNEL``): vLLM's pick on Hopper is FlashAttention 3."""
 
 
 EngineOptions = Union[HfOptions, VllmOptions]

@@ -14,16 +14,16 @@ How:
   ``jetrl::rms_norm`` / ``jetrl::add_rms_norm``, ``SiluAndMul`` runs ``jetrl::silu_mul`` and the
   rotary embedding runs ``jetrl::rope`` (``ops/exact.py``): opaque custom ops, so torch.compile and
   CUDA graphs run them as they are.
-- ``llm_kwargs``: FlashAttention as the attention backend, KV-cache pages of ``ops.exact.KV_PAGE``
+- ``llm_kwargs``: FlashAttention as the attention backend, KV-cache pages of ``precision.exact.KV_PAGE``
   tokens (the trainer's paged view uses the same), no prefix caching across weight updates
   (kept), cascade attention off (vLLM does that itself in this mode); with FP8 linears, the fusion
   pass (``vllm_fusion.py``) that runs each norm / SiLU·mul and the quantization after it as one
   kernel, as the default engine fuses them.
 - With an FP8 KV cache, the query's static quantization runs ``jetrl::static_fp8_quant``
   (``vllm_quant.install(exact=True)``); vLLM's cache kernel writes K/V as usual, and the trainer's
-  attention calls that same kernel. vLLM schedules at most ``ops.exact.fp8_kv_query_chunk`` new
+  attention calls that same kernel. vLLM schedules at most ``precision.exact.fp8_kv_query_chunk`` new
   tokens of a request per step, which keeps FlashAttention's FP8 kernel on one tile shape
-  (``ops.exact.FP8_KV_QUERY_ROWS``); the trainer attends in chunks of as many queries.
+  (``precision.exact.FP8_KV_QUERY_ROWS``); the trainer attends in chunks of as many queries.
 - ``check_engine``: after vLLM built the model, every norm, activation and rotary module must be
   one of the replacements, every block-FP8 linear must run the GEMM the trainer's FProp calls for
   its shape, and every attention layer must run FlashAttention of the trainer's version (with an
@@ -38,7 +38,8 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron_jetrl.ops.exact import KV_PAGE, custom_ops, fp8_kv_query_chunk, rope_inv_freq, vllm_kernels
+from megatron_jetrl.ops.exact import custom_ops, rope_inv_freq, vllm_kernels
+from megatron_jetrl.precision.exact import KV_PAGE, fp8_kv_query_chunk
 
 _REPLACED = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
 
@@ -149,7 +150,7 @@ def uninstall() -> None:
 
 def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments of an exact engine, from the engine's usual ones; with an FP8
-    KV cache, at most ``fp8_kv_query_chunk`` new tokens of a request per step (``ops.exact``)."""
+    KV cache, at most ``fp8_kv_query_chunk`` new tokens of a request per step (``precision.exact``)."""
     out = dict(kwargs)
     out["block_size"] = KV_PAGE
     out["attention_config"] = {"backend": "FLASH_ATTN"}

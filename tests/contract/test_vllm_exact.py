@@ -12,7 +12,8 @@ vllm = pytest.importorskip("vllm", reason="vllm not installed; runs in the vLLM 
 import torch  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 
-from megatron_jetrl.ops.exact import KV_PAGE, rope_inv_freq, rope_reference, silu_mul  # noqa: E402
+from megatron_jetrl.ops.exact import rope_inv_freq, rope_reference, silu_mul  # noqa: E402
+from megatron_jetrl.precision.exact import KV_PAGE  # noqa: E402
 from megatron_jetrl.ops.rms_norm import rms_norm_reference  # noqa: E402
 from megatron_jetrl.precision import PrecisionMode, PrecisionRecipe  # noqa: E402
 from megatron_jetrl.rollout import vllm_exact  # noqa: E402
@@ -132,7 +133,7 @@ def test_with_an_fp8_kv_cache_vllm_schedules_the_trainers_query_chunks(tmp_path)
     """An exact engine with an FP8 KV cache gives a request at most ``fp8_kv_query_chunk`` new
     tokens a step (vLLM's own scheduler setting), so each FlashAttention call sees queries of that
     length at most, as the trainer's chunked attention does; without an FP8 cache, no cap."""
-    from megatron_jetrl.ops.exact import fp8_kv_query_chunk
+    from megatron_jetrl.precision.exact import fp8_kv_query_chunk
     from megatron_jetrl.rollout.vllm_engine import VllmOptions
 
     model = tiny_model("Qwen3ForCausalLM")

@@ -161,7 +161,8 @@ def test_fp8_queries_are_cut_into_the_chunks_vllm_schedules():
     """With an FP8 KV cache the trainer attends in segments of at most ``chunk`` queries of one
     sequence, each over its sequence's pages up to its last token, as vLLM's steps do when it
     schedules that many new tokens of a request at a time; unused segments are empty."""
-    from megatron_jetrl.ops.exact import ExactUnavailable, fp8_kv_query_chunk, kv_pages, query_chunks
+    from megatron_jetrl.ops.exact import kv_pages, query_chunks
+    from megatron_jetrl.precision.exact import ExactUnavailable, fp8_kv_query_chunk
 
     assert fp8_kv_query_chunk(32, 8) == 16 and fp8_kv_query_chunk(8, 4) == 32 and fp8_kv_query_chunk(4, 4) == 64
     with pytest.raises(ExactUnavailable):
