@@ -20,8 +20,7 @@ def hopper():
 
 requires_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None and os.environ.get("JETRL_REQUIRE_VLLM") != "1",
-    reason="vLLM is not installed on this host (pip install vllm; benchmarks/gpu_host/vllm.sh installs the offline "
-           "bundle on the GPU host)")
+    reason="vLLM is not installed here: pip install 'megatron-jetrl[vllm]' (the offline host: hosts/offline/vllm.sh)")
 """For tests of the vllm engine: skipped where vLLM is not installed, unless ``JETRL_REQUIRE_VLLM=1``
-(benchmarks/gpu_host/vllm.sh sets it once it installed vLLM) makes a missing vLLM fail; a vLLM that is
+(hosts/offline/vllm.sh sets it once it installed vLLM) makes a missing vLLM fail; a vLLM that is
 installed but broken always fails."""

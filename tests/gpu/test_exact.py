@@ -7,7 +7,7 @@ at the tiny model's widths and at Qwen3-8B's (6 layers), at TP 1 and at equal TP
 and an FP8 KV cache; and neither side starts with a module left on a non-exact kernel.
 
 Skipped (with the reason) where vLLM is not installed; with ``JETRL_REQUIRE_VLLM=1`` (set by
-benchmarks/gpu_host/vllm.sh) a missing vLLM fails instead.
+hosts/offline/vllm.sh) a missing vLLM fails instead.
 """
 
 import json

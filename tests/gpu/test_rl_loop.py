@@ -5,7 +5,7 @@ SIGTERM (SLURM preemption) continues from its checkpoint exactly where an uninte
 with either engine and in the exact modes.
 
 Each run is a real ``jetrl train`` process. Metrics files are copied to $JETRL_GPU_OUT/rl/ when
-that is set (benchmarks/gpu_host/check.sh sets it, and summarises them with benchmarks/rl_summary.py).
+that is set (hosts/offline/check.sh sets it, and summarises them with benchmarks/rl_summary.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the loss; the hf engine and real vLLM hold TE's bytes after a sync, before and a
 native layers' ``actor.attention_impl=te``: TE's fused (cuDNN) attention over packed sequences.
 
 Skipped where Transformer Engine is not installed, unless ``JETRL_REQUIRE_TE=1`` (set on the GPU
-host once benchmarks/gpu_host/te_install.sh installed it) makes a missing TE fail."""
+host once hosts/offline/te_install.sh installed it) makes a missing TE fail."""
 
 import importlib.util
 import os
@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         importlib.util.find_spec("transformer_engine") is None and os.environ.get("JETRL_REQUIRE_TE") != "1",
-        reason="Transformer Engine is not installed here (benchmarks/gpu_host/te_install.sh installs it on the GPU "
+        reason="Transformer Engine is not installed here (hosts/offline/te_install.sh installs it on the GPU "
                "host)"),
 ]
 

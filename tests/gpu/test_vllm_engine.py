@@ -4,7 +4,7 @@ behaves as asked, a level-2 sleep frees the GPU without host copies, and the eng
 agree with the trainer's per precision mode, unified FP8 far closer than BF16-train + FP8-rollout.
 
 Skipped (with the reason) where vLLM is not installed; with ``JETRL_REQUIRE_VLLM=1`` (set by
-benchmarks/gpu_host/vllm.sh after it installed vLLM) a missing vLLM fails instead, and a vLLM that is
+hosts/offline/vllm.sh after it installed vLLM) a missing vLLM fails instead, and a vLLM that is
 installed but broken always fails.
 """
 

@@ -488,14 +488,14 @@ def test_scale_summary_plans_vllms_share_of_the_gpu_it_is_given(tmp_path):
         "   generate    wall   3.000 s, kernels    900.0 ms: attention 500, gemm 400"]
 
 
-def test_the_gpu_host_script_measures_the_engines_default_fp8_gemm():
+def test_the_offline_host_script_measures_the_engines_default_fp8_gemm():
     """vllm.sh passes --fp8-gemm to every bench_vllm call: its default must be the engine's own
     (a run that meant the default once measured CUTLASS because the script said so)."""
     import re
 
     from megatron_jetrl.rollout.vllm_engine import VllmOptions
 
-    script = (ROOT / "benchmarks" / "gpu_host" / "vllm.sh").read_text()
+    script = (ROOT / "hosts" / "offline" / "vllm.sh").read_text()
     assert re.search(r"\bgemm=(\w+)", script).group(1) == VllmOptions().fp8_gemm
     assert bench_vllm.build_parser().get_default("fp8_gemm") == VllmOptions().fp8_gemm
 
@@ -629,7 +629,7 @@ def test_waiting_on_a_machine_that_never_started_the_run_stops_at_once(tmp_path,
 
     env = {**os.environ, env_key: str(tmp_path / "nothing"), "OUT": ""}
     start = time.monotonic()
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_host" / script), "wait", "30"], cwd=ROOT, env=env,
+    done = subprocess.run(["bash", str(ROOT / "hosts" / "offline" / script), "wait", "30"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=25)
     assert time.monotonic() - start < 10
     assert done.returncode == 1
@@ -643,7 +643,7 @@ def test_the_full_8b_script_refuses_bad_rounds_before_it_starts(tmp_path, rounds
     import subprocess
 
     env = {**os.environ, "JETRL_8B_OUT": str(tmp_path / "out"), "ROUNDS": rounds, "OUT": ""}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_host" / "rl_8b_full.sh"), "start"], cwd=ROOT,
+    done = subprocess.run(["bash", str(ROOT / "hosts" / "offline" / "rl_8b_full.sh"), "start"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=25)
     assert done.returncode == 1
     assert done.stdout.startswith(f"ROUNDS={rounds}: give a whole number >= 1")

@@ -1,4 +1,4 @@
-"""Where the GPU host's scripts require a GPU (``JETRL_REQUIRE_GPU=1``, benchmarks/gpu_host/setup.sh), a torch
+"""Where the GPU host's scripts require a GPU (``JETRL_REQUIRE_GPU=1``, hosts/offline/setup.sh), a torch
 that sees none fails the GPU tests instead of skipping them all and reporting success."""
 
 import os

@@ -3,12 +3,12 @@
 # $LAYERS of its 64 layers (random weights), unified FP8, three RL steps through `jetrl train`
 # under torchrun, at TP=4 and at TP=2 x PP=2; the full 64-layer model's memory plan; the full
 # recompute check on one GPU; then the summary table (benchmarks/scale_summary.py) last.
-#   device tool:  kind nvidia-h200-x4, carry [".whl"], command: bash benchmarks/gpu_host/scale_32b_layers.sh
+#   device tool:  kind nvidia-h200-x4, carry [".whl"], command: bash hosts/offline/scale_32b_layers.sh
 # Logs, metrics and the JSON summary go to $OUT (or ./scale_out) as scale_logs.tgz + scale.json.
 set -uo pipefail
 out=${OUT:-scale_out}
-# shellcheck source=benchmarks/gpu_host/setup.sh
-. benchmarks/gpu_host/setup.sh
+# shellcheck source=hosts/offline/setup.sh
+. hosts/offline/setup.sh
 t_start=$(date +%s)
 layers=${LAYERS:-32}
 cfg=benchmarks/configs/qwen3_32b_dims.yaml

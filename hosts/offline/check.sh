@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU host: install the carried wheels, build the CUDA extension, run every GPU
 # test and every benchmark, and print the summary tables last.
-#   device tool:  carry [".whl"], command: bash benchmarks/gpu_host/check.sh
+#   device tool:  carry [".whl"], command: bash hosts/offline/check.sh
 # Logs and JSON go to $OUT (or ./gpu_check_out when $OUT is unset).
-#   bash benchmarks/gpu_host/check.sh [--tests-only | --bench-only] [--tests "tests/gpu/test_a.py ..."]
+#   bash hosts/offline/check.sh [--tests-only | --bench-only] [--tests "tests/gpu/test_a.py ..."]
 #                                [--benches "fp8_linear actor sync decode"] [--no-unit]
 # A device call is limited to 10 minutes: on a fresh 2-GPU host run --tests-only and --bench-only
 # as two calls (the build is reused while the machine stays warm).
@@ -21,8 +21,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 out=${OUT:-gpu_check_out}
-# shellcheck source=benchmarks/gpu_host/setup.sh
-. benchmarks/gpu_host/setup.sh
+# shellcheck source=hosts/offline/setup.sh
+. hosts/offline/setup.sh
 
 gpu_rc=0 unit_rc=0 bench_rc=0
 if [ $run_tests -eq 1 ]; then

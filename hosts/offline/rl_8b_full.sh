@@ -6,8 +6,8 @@
 # plan for the same layout beside the measured peak per GPU; the table last.
 #
 #   device: kind nvidia-h100-x4 (or -x8 / h200), after the vLLM bundle's three carrying calls, the
-#   third carrying [".vllm_p3", ".whl"]:  bash benchmarks/gpu_host/rl_8b_full.sh start
-#   then, back to back until it says ALL DONE:   bash benchmarks/gpu_host/rl_8b_full.sh wait 560
+#   third carrying [".vllm_p3", ".whl"]:  bash hosts/offline/rl_8b_full.sh start
+#   then, back to back until it says ALL DONE:   bash hosts/offline/rl_8b_full.sh wait 560
 #   (the whole run takes longer than one call; it runs on in the background while the machine is held)
 #   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 5) override the layout. ROUNDS
 #   (default 2): how many times both modes run, fp8 then bf16, then bf16 then fp8, ... (at this layout
@@ -44,14 +44,14 @@ case "${1:-}" in
     [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_8b_multi.tgz" -C "$(dirname "$out")" "$(basename "$out")"
     exit 0 ;;
 esac
-JETRL_VLLM_OUT=$out/setup bash benchmarks/gpu_host/vllm.sh || exit 1  # installs vLLM, builds the extension
+JETRL_VLLM_OUT=$out/setup bash hosts/offline/vllm.sh || exit 1  # installs vLLM, builds the extension
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
 tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-5} preempt=${PREEMPT:-1} limit=${LIMIT:-540} rounds=${ROUNDS:-2}
 extra=(${ARGS:-})
-command="TP=$tp RTP=$rtp STEPS=$steps ROUNDS=$rounds LIMIT=$limit PREEMPT=$preempt ARGS='${ARGS:-}' bash benchmarks/gpu_host/rl_8b_full.sh"
+command="TP=$tp RTP=$rtp STEPS=$steps ROUNDS=$rounds LIMIT=$limit PREEMPT=$preempt ARGS='${ARGS:-}' bash hosts/offline/rl_8b_full.sh"
 [ "$gpus" -ge 4 ] || { echo "vllm_8b_multi.sh is for 4 or 8 GPUs; this host has $gpus"; exit 1; }
 cfg=benchmarks/configs/qwen3_8b_dims.yaml
 layout=(model.config.num_hidden_layers=36 rollout.engine=vllm actor.parallel.tp="$tp"

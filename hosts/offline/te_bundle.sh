@@ -2,7 +2,7 @@
 # Transformer Engine 2.20.2 for the GPU host, which has no package registry and takes at
 # most 64 MiB a device call. Run here (the CPU machine, which reaches PyPI), once per checkout:
 #
-#   bash benchmarks/gpu_host/te_bundle.sh
+#   bash hosts/offline/te_bundle.sh
 #
 # It downloads the pinned files (sha256-checked; kept in ~/.cache/jetrl-te-bundle or $TE_BUNDLE_DIR),
 # splits the 276 MB binary wheel transformer-engine-cu13 into 28 MiB parts (its kernels are
@@ -11,11 +11,11 @@
 # (the machine goes back 30 s after a call ends), each copying its folder to /tmp, which stays:
 #
 #   calls 1-4: carry [".te_pK"],          command: mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/
-#   call 5:    carry [".te_p5", ".whl"],  command: cp -r .te_p5 /tmp/teb/ && bash benchmarks/gpu_host/te_install.sh && ...
+#   call 5:    carry [".te_p5", ".whl"],  command: cp -r .te_p5 /tmp/teb/ && bash hosts/offline/te_install.sh && ...
 #
-# On a multi-GPU host next to the vLLM lanes (benchmarks/gpu_host/lanes.sh), the five parts ride along the
+# On a multi-GPU host next to the vLLM lanes (hosts/offline/lanes.sh), the five parts ride along the
 # `wait` calls instead (carry [".te_pK"], command: mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp
-# && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK && bash benchmarks/gpu_host/lanes.sh wait 540), and one
+# && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK && bash hosts/offline/lanes.sh wait 540), and one
 # lane's `vllm.sh --with-te ...` waits for them, installs TE and runs the TE tests and benchmark.
 #
 # te_install.sh (on the host) checks every part, installs the wheels into /tmp/tesite and builds

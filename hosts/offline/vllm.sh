@@ -5,7 +5,7 @@
 # /tmp/bench_vllm while the machine stays warm; both go back packed as $OUT/vllm_gpu.tgz (the
 # device tool returns few files).
 #
-#   bash benchmarks/gpu_host/vllm.sh [--tests "engine engine-two rl"] [--decode bf16,fp8,fp8kv] [--cases 64x512,...]
+#   bash hosts/offline/vllm.sh [--tests "engine engine-two rl"] [--decode bf16,fp8,fp8kv] [--cases 64x512,...]
 #                               [--profile] [--sync in_place,update_weights,reload] [--step] [--table]
 #                               [--fp8-gemm auto|cutlass|deep_gemm] [--sync-tp "2:2 2:1"]
 # --sync-tp: train:rollout TP layouts for --sync (default 1:1; more than one GPU runs under torchrun).
@@ -60,8 +60,8 @@ while [ $# -gt 0 ]; do
 done
 out=${JETRL_VLLM_OUT:-/tmp/vllm_gpu_out}  # one per lane when two run side by side (lanes.sh)
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD
-# shellcheck source=benchmarks/gpu_host/setup.sh
-. benchmarks/gpu_host/setup.sh
+# shellcheck source=hosts/offline/setup.sh
+. hosts/offline/setup.sh
 # vLLM: the one this Python imports (pip install 'megatron-jetrl[vllm]'); only where there is none, the
 # offline bundle carried into /tmp/vb (../shared/device/vllm/README.md), installed once into /tmp/vsite
 if ! python3 -c "import vllm" 2>/dev/null; then
@@ -71,7 +71,7 @@ if ! python3 -c "import vllm" 2>/dev/null; then
     touch /tmp/vsite/.installed
   fi
   [ -d /tmp/vsite/vllm ] || { echo "no vLLM here: pip install 'megatron-jetrl[vllm]', or carry the offline bundle" \
-    "into /tmp/vb (benchmarks/gpu_host/README.md)"; exit 1; }
+    "into /tmp/vb (hosts/offline/README.md)"; exit 1; }
   export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0  # the bundle has no flashinfer
 fi
 export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 JETRL_REQUIRE_VLLM=1
@@ -84,7 +84,7 @@ elif [ $with_te -eq 1 ]; then  # none: build it from the parts te_bundle.sh made
     sleep 10
   done
   t0=$(date +%s)
-  bash benchmarks/gpu_host/te_install.sh /tmp/teb >"$out/te_install.log" 2>&1 || { tail -40 "$out/te_install.log"; exit 1; }
+  bash hosts/offline/te_install.sh /tmp/teb >"$out/te_install.log" 2>&1 || { tail -40 "$out/te_install.log"; exit 1; }
   echo "te_install: rc=0 in $(( $(date +%s) - t0 )) s: $(tail -2 "$out/te_install.log" | head -1)"
   export PYTHONPATH=/tmp/tesite:$PYTHONPATH JETRL_REQUIRE_TE=1 NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
 fi

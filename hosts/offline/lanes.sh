@@ -2,10 +2,10 @@
 # The GPU host kept busy on every GPU, in the background so the work runs on between device calls
 # while the machine stays warm (each call may last 10 minutes; the machine is held for 30):
 #
-#   bash benchmarks/gpu_host/lanes.sh start      # install vLLM (bundle in /tmp/vb), build, start the lanes
-#   bash benchmarks/gpu_host/lanes.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
-#   bash benchmarks/gpu_host/lanes.sh run 2 "--tests exact-tiny"   # one more run on GPU 2, in the background
-#   bash benchmarks/gpu_host/lanes.sh run 0,1 "--tests exact-two"  # ... or on GPUs 0 and 1 (wait waits for it)
+#   bash hosts/offline/lanes.sh start      # install vLLM (bundle in /tmp/vb), build, start the lanes
+#   bash hosts/offline/lanes.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
+#   bash hosts/offline/lanes.sh run 2 "--tests exact-tiny"   # one more run on GPU 2, in the background
+#   bash hosts/offline/lanes.sh run 0,1 "--tests exact-two"  # ... or on GPUs 0 and 1 (wait waits for it)
 #
 # First all GPUs together (ALL_ARGS; default with 2 or more GPUs: trainer TP=2 into vLLM at rollout
 # TP 2 and 1, tests/gpu/test_vllm_engine.py -k two_gpus, and the 8B sync at those layouts). Then one
@@ -21,7 +21,7 @@
 # The lanes run from this checkout: a folder carried only by an earlier call is gone from it at the
 # next call, so what a run needs beyond the tree belongs under /tmp.
 # Transformer Engine: give one lane a `--with-te ...` run and carry the five .te_pK folders
-# of benchmarks/gpu_host/te_bundle.sh along the `wait` calls (the command is in te_bundle.sh's header).
+# of hosts/offline/te_bundle.sh along the `wait` calls (the command is in te_bundle.sh's header).
 # The lanes share the host: each is pinned to its share of the CPU cores (taskset), since a
 # host-bound benchmark in one lane slows down while another compiles.
 set -uo pipefail
@@ -30,7 +30,7 @@ case "${1:-}" in
   start)
     mkdir -p $lanes
     # install and build once, in the foreground (the lanes would otherwise race for them)
-    JETRL_VLLM_OUT=/tmp/vllm_gpu_out/setup bash benchmarks/gpu_host/vllm.sh || exit 1
+    JETRL_VLLM_OUT=/tmp/vllm_gpu_out/setup bash hosts/offline/vllm.sh || exit 1
     gpus=$(nvidia-smi -L | wc -l)
     [ "$gpus" -ge 1 ] || { echo "lanes.sh: nvidia-smi lists no GPU here"; exit 1; }
     default_lane=("--decode bf16,fp8,fp8kv --profile" '--tests "engine rl" --sync in_place,update_weights,reload --step')
@@ -51,14 +51,14 @@ case "${1:-}" in
       local cpus=""
       command -v taskset >/dev/null && [ "$share" -ge 1 ] && cpus="taskset -c $(( $1 * share ))-$(( $1 * share + share - 1 ))"
       echo "${2// ;; /$'\n'}" | while IFS= read -r run; do
-        echo "CUDA_VISIBLE_DEVICES=$1 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu$1 $cpus bash benchmarks/gpu_host/vllm.sh $run" \
+        echo "CUDA_VISIBLE_DEVICES=$1 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/gpu$1 $cpus bash hosts/offline/vllm.sh $run" \
           ">>$lanes/gpu$1.log 2>&1 || rc=1"
       done
     }
     {
       echo "cd \"$PWD\""
       echo "export PATH=\"$PATH\" PYTHONPATH=\"${PYTHONPATH:-}\" OUT="
-      echo "JETRL_VLLM_OUT=/tmp/vllm_gpu_out/all bash benchmarks/gpu_host/vllm.sh $all >$lanes/all.log 2>&1"
+      echo "JETRL_VLLM_OUT=/tmp/vllm_gpu_out/all bash hosts/offline/vllm.sh $all >$lanes/all.log 2>&1"
       for g in $(seq 0 $(( gpus - 1 ))); do
         v=LANE${g}_ARGS
         args=${!v:-${default_lane[$g]:-}}
@@ -68,7 +68,7 @@ case "${1:-}" in
         echo "  echo \"lane rc=\$rc\" >>$lanes/gpu$g.log ) &"
       done
       echo "wait"
-      echo "JETRL_VLLM_OUT=/tmp/vllm_gpu_out/table bash benchmarks/gpu_host/vllm.sh --table >$lanes/table.log 2>&1"
+      echo "JETRL_VLLM_OUT=/tmp/vllm_gpu_out/table bash hosts/offline/vllm.sh --table >$lanes/table.log 2>&1"
       echo "touch $lanes/done"
     } >$lanes/plan.sh
     setsid nohup bash $lanes/plan.sh >$lanes/plan.log 2>&1 </dev/null &
@@ -79,7 +79,7 @@ case "${1:-}" in
     n=$(ls $lanes/extra*.log 2>/dev/null | wc -l)
     # shellcheck disable=SC2016  # expanded by the started shell
     setsid nohup bash -c "cd '$PWD' && CUDA_VISIBLE_DEVICES=$2 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/extra$n \
-      bash benchmarks/gpu_host/vllm.sh $3 >$lanes/extra$n.log 2>&1; echo \"lane rc=\$?\" >>$lanes/extra$n.log" \
+      bash hosts/offline/vllm.sh $3 >$lanes/extra$n.log 2>&1; echo \"lane rc=\$?\" >>$lanes/extra$n.log" \
       >/dev/null 2>&1 </dev/null &
     echo "extra run $n on GPU $2: $3"
     ;;

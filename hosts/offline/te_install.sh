@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# On the GPU host: Transformer Engine 2.20.2 from the folders benchmarks/gpu_host/te_bundle.sh staged (copied
+# On the GPU host: Transformer Engine 2.20.2 from the folders hosts/offline/te_bundle.sh staged (copied
 # to /tmp/teb by the carrying calls) into /tmp/tesite. Checks every file against the manifest
 # first and names a missing or damaged one; builds transformer-engine-torch (33 C++ files, no CUDA
 # kernels) against the host's torch 2.11 + CUDA 13 headers with its 16 cores; skips everything when
 # /tmp/tesite already holds it. Then: export PYTHONPATH=/tmp/tesite:$PYTHONPATH
 #
-#   bash benchmarks/gpu_host/te_install.sh [/tmp/teb]
+#   bash hosts/offline/te_install.sh [/tmp/teb]
 set -euo pipefail
 src=${1:-/tmp/teb}
 site=/tmp/tesite

@@ -2,7 +2,7 @@
 # The mismatch and speed study as one call on a GPU host (one GPU, H100 or H200):
 # build, then benchmarks/mismatch_study.py, then the tables last. The runs' metrics, logs and
 # study.json come back as $OUT/study.tgz; plots are drawn from them anywhere matplotlib is:
-#   device tool:  carry [".whl"], command: bash benchmarks/gpu_host/mismatch_study.sh [--steps 40] [--parallel 8]
+#   device tool:  carry [".whl"], command: bash hosts/offline/mismatch_study.sh [--steps 40] [--parallel 8]
 #   then here:    tar xzf study.tgz && python3 -m benchmarks.mismatch_plots study --out docs/figures
 # Arguments go to mismatch_study.py (e.g. --seed 2 --no-speed for a second seed). A device call is
 # limited to 10 minutes: the study gets what is left of STUDY_CALL_S (default 570 s) after the
@@ -11,8 +11,8 @@
 set -uo pipefail
 t_call=$(date +%s)
 out=${OUT:-study_out}
-# shellcheck source=benchmarks/gpu_host/setup.sh
-. benchmarks/gpu_host/setup.sh
+# shellcheck source=hosts/offline/setup.sh
+. hosts/offline/setup.sh
 dir=/tmp/study
 rm -rf "$dir"
 t0=$(date +%s)
