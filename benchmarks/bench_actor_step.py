@@ -156,7 +156,7 @@ def run_mode(mode: str, args, bridge) -> dict:
     if backend == "te" and any(isinstance(m, PackedCoreAttention) for m in actor.gpt.modules()):
         actor.close()
         raise SystemExit(f"bench_actor_step: --modes {mode}: actor.fp8_backend=te with precision.mode {precision} "
-                         "built the native layers (megatron_jetrl/actor/model.py layer_spec); timing them would "
+                         "built the native layers (megatron_jetrl/actor/build.py layer_spec); timing them would "
                          "not measure Transformer Engine")
     log(f"{mode}: built")
     batch = make_batch(bridge.dims.vocab_size, args.seqs, args.seq_len)

@@ -6,7 +6,7 @@
 //   columnwise 1x128 groups along M: codes of x^T qt [K,M] + s_col (group-major [Mb][K])
 //   block      128x128: codes q [M,K], optionally the same codes transposed qt [K,M], + s_blk
 // The scale rule is quantize_math.h (shared with the CPU kernels); the torch reference is
-// megatron_jetrl/precision/quant.py, and tests compare all three bit for bit.
+// megatron_jetrl/precision/blockwise.py, and tests compare all three bit for bit.
 //
 // Why it looks like this (the kernel is memory-bound only if the per-element work is tiny):
 // - amax runs on the raw bits: |x| is a mask, and for IEEE formats max(|x|) as unsigned integers

@@ -1,5 +1,5 @@
 // The FP8 block-scaling rule shared by the CPU and CUDA kernels; the definition lives in
-// megatron_jetrl/precision/quant.py and both implementations are tested bit for bit against it.
+// megatron_jetrl/precision/blockwise.py and both implementations are tested bit for bit against it.
 //
 //   amax  = max |x| over the block, +inf if the block holds NaN/Inf ("bad" block)
 //   amax  = eps if amax < eps

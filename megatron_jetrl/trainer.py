@@ -45,14 +45,14 @@ from megatron_jetrl.experience import Group, Response, StepRollouts, prompt_majo
 from megatron_jetrl.runtime.atomic import save_json_atomic
 from megatron_jetrl.runtime.run_checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.console import ConsoleView
-from megatron_jetrl.runtime.memory import PhaseMemory
-from megatron_jetrl.runtime.metrics import MetricsLogger
+from megatron_jetrl.runtime.phase_memory import PhaseMemory
+from megatron_jetrl.runtime.metric_sinks import MetricsLogger
 from megatron_jetrl.runtime.profiling import StepProfiler
 from megatron_jetrl.runtime.rng import load_rng, save_rng
 from megatron_jetrl.runtime.signals import EXIT_PREEMPTED, PreemptionSignal, any_rank
 from megatron_jetrl.runtime.timing import PhaseTimer
 from megatron_jetrl.sync import SyncPlan, WeightSync
-from megatron_jetrl.warmup import Warmup
+from megatron_jetrl.sft import Warmup
 
 
 CONSOLE_KEYS = ("reward/mean", "len=response/length_mean", "entropy=actor/entropy", "k3_kl=rollout_corr/k3_kl",

@@ -10,7 +10,7 @@ from megatron_jetrl.actor.packing import PackedBatch
 from megatron_jetrl.actor.settings import ActorSettings, OptimizerSettings
 
 _LAZY = {"Actor": "megatron_jetrl.actor.actor", "TokenLogprobs": "megatron_jetrl.actor.actor",
-         "OffloadReport": "megatron_jetrl.actor.memory"}
+         "OffloadReport": "megatron_jetrl.actor.offload"}
 
 
 def __getattr__(name: str):

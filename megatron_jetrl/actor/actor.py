@@ -35,10 +35,10 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_jetrl.actor import model as model_lib
+from megatron_jetrl.actor import build as model_lib
 from megatron_jetrl.actor.layers import PackedCoreAttention, _Fp8LinearMixin, attach_packed_positions
 from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs
-from megatron_jetrl.actor.memory import DeviceMemory, OffloadReport, release
+from megatron_jetrl.actor.offload import DeviceMemory, OffloadReport, release
 from megatron_jetrl.actor.packing import (
     PackedBatch,
     align_to_tokens,

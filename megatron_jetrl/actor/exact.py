@@ -43,7 +43,7 @@ from megatron_jetrl.ops.exact import (KvPages, VllmKernels, kv_pages, paged_kv, 
                                       silu_mul, static_fp8_quant)
 from megatron_jetrl.precision.exact import ExactUnavailable, fp8_kv_query_chunk
 from megatron_jetrl.ops.rms_norm import rms_norm
-from megatron_jetrl.precision.quant import E4M3_MAX
+from megatron_jetrl.precision.blockwise import E4M3_MAX
 
 
 class _ExactRmsNormFn(torch.autograd.Function):

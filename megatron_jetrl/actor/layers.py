@@ -372,7 +372,7 @@ def local_layer_spec(*, qk_layernorm: bool, fp8: bool, exact: bool = False) -> M
         attn.q_layernorm = norm
         attn.k_layernorm = norm
     if exact:
-        mlp.activation_func = ExactSwiGLU  # called on fc1's whole [gate | up] (use_te_activation_func, model.py)
+        mlp.activation_func = ExactSwiGLU  # called on fc1's whole [gate | up] (use_te_activation_func, build.py)
     if fp8 or exact:
         attn.linear_qkv = Fp8ColumnParallelLinear
         attn.linear_proj = Fp8RowParallelLinear

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 
 from megatron_jetrl.actor.hf_conversion import HF_DIR, check_checkpoint_shapes
-from megatron_jetrl.actor.model import use_fused_torch_adam
+from megatron_jetrl.actor.build import use_fused_torch_adam
 from megatron_jetrl.models.hf_checkpoint import CheckpointError
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def _torch_adam_step_fix(actor: CheckpointedActor):
             del opt._set_main_param_and_optimizer_states
             # megatron hands every parameter the *same* step tensor; Adam increments each
             # parameter's step in place, so a shared one would advance once per parameter.
-            # The fused Adam (see model.py) keeps it on the parameter's device.
+            # The fused Adam (see build.py) keeps it on the parameter's device.
             for group in opt.optimizer.param_groups:
                 on_device = group.get("fused") or group.get("capturable")
                 for p in group["params"]:

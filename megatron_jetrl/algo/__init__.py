@@ -15,7 +15,7 @@ from megatron_jetrl.algo.loss import (
     policy_loss,
     ppo_clip_loss,
 )
-from megatron_jetrl.algo.metrics import mismatch_metrics
+from megatron_jetrl.algo.mismatch import mismatch_metrics
 from megatron_jetrl.algo.settings import AlgoSettings, CorrectionSettings, PolicyLossSettings
 
 __all__ = [

@@ -36,7 +36,7 @@ from megatron_jetrl.precision import PrecisionRecipe
 from megatron_jetrl.precision.exact import EXACT_MAX_PP, EXACT_MAX_TP, fp8_kv_query_chunk, model_problem
 from megatron_jetrl.rollout.engines import ENGINES, engine_kind
 from megatron_jetrl.rollout.settings import RolloutSettings
-from megatron_jetrl.runtime.metrics import LogSettings
+from megatron_jetrl.runtime.metric_sinks import LogSettings
 from megatron_jetrl.runtime.run_checkpoints import RunCheckpoints, pointer_problem, resume_refused
 
 

@@ -14,7 +14,7 @@ import torch
 
 from megatron_jetrl.ops.extension import load_extension
 from megatron_jetrl.precision import GROUP_1x128, WEIGHT_BLOCK, Fp8Tensor, Fp8Weight
-from megatron_jetrl.precision.quant import check_eps
+from megatron_jetrl.precision.blockwise import check_eps
 
 
 def quantize_1x128(
@@ -54,7 +54,7 @@ def rows_scale_layout(x_MK: torch.Tensor, m_align: int) -> torch.Tensor:
 def quantize_rows(x_MK: torch.Tensor, *, pow2_scales: bool, eps: float,
                   m_align: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 rowwise codes [M, K] and scale_inv in ``rows_scale_layout(x, m_align)``: the activation
-    quantization a block-FP8 linear of the rollout engine reads (``rollout/vllm_quant.py``)."""
+    quantization a block-FP8 linear of the rollout engine reads (``rollout/vllm_activation_quant.py``)."""
     if x_MK.shape[0] == 0:
         return torch.empty(x_MK.shape, dtype=torch.float8_e4m3fn, device=x_MK.device), rows_scale_layout(x_MK, m_align)
     row, _ = quantize_1x128(x_MK, rowwise=True, columnwise=False, pow2_scales=pow2_scales, eps=eps)

@@ -16,7 +16,7 @@ from megatron_jetrl.precision.linear import (
     Shard,
     fp8_block_linear,
 )
-from megatron_jetrl.precision.quant import (
+from megatron_jetrl.precision.blockwise import (
     E4M3_MAX,
     GROUP_1x128,
     NAN_CODE,

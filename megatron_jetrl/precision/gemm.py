@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from megatron_jetrl.precision.quant import GROUP_1x128, WEIGHT_BLOCK, Fp8Tensor
+from megatron_jetrl.precision.blockwise import GROUP_1x128, WEIGHT_BLOCK, Fp8Tensor
 
 GemmBackend = Literal["auto", "scaled_mm", "emulate"]
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulate")

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from megatron_jetrl.precision.quant import E4M3_MAX
+from megatron_jetrl.precision.blockwise import E4M3_MAX
 
 KV_PERCENTILE = 0.999
 KV_MARGIN = 1.05

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Protocol
 import torch
 
 from megatron_jetrl.precision.gemm import GemmBackend, fp8_gemm
-from megatron_jetrl.precision.quant import (
+from megatron_jetrl.precision.blockwise import (
     GROUP_1x128,
     WEIGHT_BLOCK,
     Fp8Tensor,

@@ -1,5 +1,5 @@
 """Rollout engines behind one interface (``base.RolloutEngine``), listed in one table
-(``engines.ENGINES``): ``hf`` (``rollout/hf.py``) and ``vllm`` (``rollout/vllm_engine.py``, where vLLM
+(``engines.ENGINES``): ``hf`` (``rollout/hf_engine.py``) and ``vllm`` (``rollout/vllm_engine.py``, where vLLM
 is installed).
 
 ``HfEngine`` (which imports transformers) loads when first used, so the settings and the interface
@@ -34,7 +34,7 @@ def build_engine(settings: RolloutSettings, recipe: PrecisionRecipe, hf_config: 
 
 def __getattr__(name: str):
     if name == "HfEngine":
-        from megatron_jetrl.rollout.hf import HfEngine
+        from megatron_jetrl.rollout.hf_engine import HfEngine
 
         return HfEngine
     raise AttributeError(f"module 'megatron_jetrl.rollout' has no attribute {name!r}")

@@ -68,7 +68,7 @@ class EngineKind:
 
 def _build_hf(options: HfOptions, recipe: "PrecisionRecipe", hf_config: dict, *, device: "torch.device",
               max_model_len: int) -> "RolloutEngine":
-    from megatron_jetrl.rollout.hf import HfEngine
+    from megatron_jetrl.rollout.hf_engine import HfEngine
 
     return HfEngine(hf_config, recipe, options, device=device)
 

@@ -128,7 +128,7 @@ class VllmOptions:
     activation_quant: Literal["trainer", "vllm"] = "trainer"
     """Who quantizes a linear's input in FP8 rollout: ``trainer`` (default: the trainer's 1x128
     kernel and TE's rule, with vLLM's norm/activation+quant fusions off: the codes the trainer's
-    FProp makes from the same input; ``vllm_quant.py``) or ``vllm`` (its own kernels and rule).
+    FProp makes from the same input; ``vllm_activation_quant.py``) or ``vllm`` (its own kernels and rule).
     Measured on an H200 (docs/rollout.md): ``trainer`` halves the engine-vs-trainer k3 KL and
     decodes ~6 % faster (its kernel takes 30 ms of 32 decode steps at batch 256, vLLM's 50 ms)."""
 

@@ -56,7 +56,7 @@ import torch
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
-from megatron_jetrl.rollout import vllm_exact, vllm_quant
+from megatron_jetrl.rollout import vllm_activation_quant, vllm_exact
 from megatron_jetrl.rollout.settings import VllmOptions
 from megatron_jetrl.rollout.base import (MissingWeights, Sample, SamplingParams, TensorMeta, WeightMismatch,
                                          check_against_specs)
@@ -296,7 +296,7 @@ class VllmEngine:
         try:
             path = model_dir(config, Path(importlib.import_module("vllm.envs").VLLM_CACHE_ROOT))
             if (recipe.rollout_fp8 and options.activation_quant == "trainer") or recipe.exact:
-                vllm_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon, exact=recipe.exact)
+                vllm_activation_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon, exact=recipe.exact)
             if recipe.exact:
                 vllm_exact.install()
             self._llm = vllm.LLM(**llm_kwargs(path, config, recipe, options))
@@ -420,7 +420,7 @@ class VllmEngine:
                 _release_cumem_pools()
         if self._open:  # the model directory stays: the next start's compile cache names it
             self._open = False
-            vllm_quant.uninstall()  # a later engine of this process chooses again
+            vllm_activation_quant.uninstall()  # a later engine of this process chooses again
             vllm_exact.uninstall()
 
     def _map_back(self, asleep: list[str]) -> bool:

@@ -9,7 +9,7 @@ How:
   the kernel vLLM picks (DeepGEMM by default, ``rollout.vllm.fp8_gemm``), which gives every row the
   same bits whatever the number of rows. The trainer calls these same kernels
   (``ops.exact.VllmKernels``).
-- Out-of-tree replacements (``CustomOp.register_oot``, as ``vllm_quant`` does for ``QuantFP8``) for
+- Out-of-tree replacements (``CustomOp.register_oot``, as ``vllm_activation_quant`` does for ``QuantFP8``) for
   the ops vLLM would otherwise compute its own way: ``RMSNorm`` (with its residual add) runs
   ``jetrl::rms_norm`` / ``jetrl::add_rms_norm``, ``SiluAndMul`` runs ``jetrl::silu_mul`` and the
   rotary embedding runs ``jetrl::rope`` (``ops/exact.py``): opaque custom ops, so torch.compile and
@@ -20,7 +20,7 @@ How:
   pass (``vllm_fusion.py``) that runs each norm / SiLU·mul and the quantization after it as one
   kernel, as the default engine fuses them.
 - With an FP8 KV cache, the query's static quantization runs ``jetrl::static_fp8_quant``
-  (``vllm_quant.install(exact=True)``); vLLM's cache kernel writes K/V as usual, and the trainer's
+  (``vllm_activation_quant.install(exact=True)``); vLLM's cache kernel writes K/V as usual, and the trainer's
   attention calls that same kernel. vLLM schedules at most ``precision.exact.fp8_kv_query_chunk`` new
   tokens of a request per step, which keeps FlashAttention's FP8 kernel on one tile shape
   (``precision.exact.FP8_KV_QUERY_ROWS``); the trainer attends in chunks of as many queries.

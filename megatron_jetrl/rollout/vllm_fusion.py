@@ -1,7 +1,7 @@
 """The exact engine's fusion pass: kernels that the default engine gets from vLLM's own fusions, made
 of the exact ops (``precision.exact``).
 
-Why: in the exact mode vLLM's fusions are off (they quantize vLLM's way, ``vllm_quant.py``) and its
+Why: in the exact mode vLLM's fusions are off (they quantize vLLM's way, ``vllm_activation_quant.py``) and its
 norms and rotary embedding are the exact ops, each one kernel. Before each FP8 linear the engine ran
 two kernels, the exact norm (or SiLU·mul) and the trainer's quantization, where the default engine
 runs one; and for attention's q/k norms and rotary embedding four (two norms, which also copied their
@@ -97,7 +97,7 @@ def _chain(source: fx.Node, quant: fx.Node) -> list[fx.Node]:
 def fuse_quantizations(graph: fx.Graph, ops: Any, quantize: Any) -> dict[str, int]:
     """Rewrite ``graph`` in place (see the module docstring): ``ops`` is ``torch.ops.jetrl`` with the
     exact ops registered (``ops.exact.custom_ops``), ``quantize`` the quantization op
-    (``vllm_quant.quantize_rows_op``). Returns how many of each fusion it made."""
+    (``vllm_activation_quant.quantize_rows_op``). Returns how many of each fusion it made."""
     quant_op = getattr(quantize, "_opoverload", quantize)
     norm, add_norm, silu = ops.rms_norm.default, ops.add_rms_norm.default, ops.silu_mul.default
     counts = {"rms_norm": 0, "add_rms_norm": 0, "silu_mul": 0}
@@ -209,7 +209,7 @@ def _pass_class() -> type:
     from vllm.compilation.passes.inductor_pass import InductorPass
 
     from megatron_jetrl.ops.exact import custom_ops
-    from megatron_jetrl.rollout.vllm_quant import quantize_rows_op
+    from megatron_jetrl.rollout.vllm_activation_quant import quantize_rows_op
 
     class ExactQuantFusion(InductorPass):
         """``fuse_quantizations`` as a vLLM Inductor pass (``post_grad_custom_post_pass``)."""

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_jetrl.ops import copy_segments, quantize_128x128
 from megatron_jetrl.precision import WEIGHT_BLOCK, Shard
 from megatron_jetrl.precision.kv_cache import kv_scale_names
-from megatron_jetrl.precision.quant import block_grid
+from megatron_jetrl.precision.blockwise import block_grid
 from megatron_jetrl.rollout.base import RolloutEngine, TensorMeta, WeightMismatch, check_against_specs
 from megatron_jetrl.sync.plan import BLOCK, EngineTensor, Piece, SyncPlan
 

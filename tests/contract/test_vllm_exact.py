@@ -102,11 +102,11 @@ def test_the_exact_query_quantization_of_an_fp8_kv_cache_is_the_trainers_op(tmp_
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
     from megatron_jetrl.ops.exact import static_fp8_quant
-    from megatron_jetrl.rollout import vllm_quant
+    from megatron_jetrl.rollout import vllm_activation_quant
 
     config = cpu_vllm_config(write_config(tiny_model("Qwen3ForCausalLM"), tmp_path / "ckpt"),
                              PrecisionRecipe(exact=True))
-    vllm_quant.install(False, 0.0, exact=True)
+    vllm_activation_quant.install(False, 0.0, exact=True)
     try:
         with set_current_vllm_config(config):
             quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
@@ -126,7 +126,7 @@ def test_the_exact_query_quantization_of_an_fp8_kv_cache_is_the_trainers_op(tmp_
         with pytest.raises(RuntimeError, match="no exact kernel"):  # per-head scales of several KV heads
             per_head.forward_native(x, torch.tensor([0.37, 0.5]))
     finally:
-        vllm_quant.uninstall()
+        vllm_activation_quant.uninstall()
 
 
 def test_with_an_fp8_kv_cache_vllm_schedules_the_trainers_query_chunks(tmp_path):

@@ -30,7 +30,7 @@ def _model(bridge, mode, elementwise_impl="compiled", attention_impl="torch", **
     from megatron.core.models.gpt import GPTModel
 
     from megatron_jetrl.actor import ActorSettings
-    from megatron_jetrl.actor.model import configure_fp8_linears, layer_spec, transformer_config
+    from megatron_jetrl.actor.build import configure_fp8_linears, layer_spec, transformer_config
     from megatron_jetrl.config import build
     from megatron_jetrl.precision import PrecisionRecipe
 
@@ -52,7 +52,7 @@ def test_spec_keys_bf16_layers_and_fp8_forward(megatron_cpu):
     from megatron_jetrl.actor.hf_conversion import checkpoint_key
     from megatron_jetrl.actor.layers import PackedCoreAttention, _Fp8LinearMixin
     from megatron_jetrl.precision.kv_cache import KvAmaxObserver
-    from megatron_jetrl.actor.model import named_shards
+    from megatron_jetrl.actor.build import named_shards
     from megatron_jetrl.precision import quantize_fp8_blockwise
     from megatron_jetrl.models import bridge_for
     from tests.model_fixtures import tiny_hf_model
@@ -129,7 +129,7 @@ def test_compiled_elementwise_is_the_eager_layer_to_rounding(megatron_cpu):
 
     from megatron_jetrl.actor import ActorSettings
     from megatron_jetrl.actor.layers import COMPILED_ROPE_ATTR
-    from megatron_jetrl.actor.model import transformer_config
+    from megatron_jetrl.actor.build import transformer_config
     from megatron_jetrl.models import bridge_for
     from megatron_jetrl.precision import PrecisionRecipe
     from tests.model_fixtures import tiny_hf_model
@@ -231,7 +231,7 @@ def test_the_exact_spec_mlp_runs_its_swiglu_module(megatron_cpu):
     from megatron_jetrl.actor import ActorSettings
     from megatron_jetrl.actor.exact import ExactSwiGLU
     from megatron_jetrl.actor.layers import _Fp8LinearMixin
-    from megatron_jetrl.actor.model import layer_spec, transformer_config
+    from megatron_jetrl.actor.build import layer_spec, transformer_config
     from megatron_jetrl.models import bridge_for
     from megatron_jetrl.precision import PrecisionRecipe
     from tests.model_fixtures import tiny_hf_model

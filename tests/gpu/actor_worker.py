@@ -281,7 +281,7 @@ class Scenarios:
         params = dict(actor.gpt.named_parameters())
         modules = dict(actor.gpt.named_modules())
         shards = actor.weight_shards()
-        from megatron_jetrl.actor.model import named_shards
+        from megatron_jetrl.actor.build import named_shards
 
         by_ptr = {p.data_ptr(): n for n, p in params.items()}
         local = {name: by_ptr[param.data_ptr()] for name, (param, _) in named_shards(actor.gpt).items()}

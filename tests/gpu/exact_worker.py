@@ -249,7 +249,7 @@ class Scenarios(VllmScenarios):
             r["engine_error"] = str(e)[:400]
         finally:
             vllm_exact.install = real
-        from megatron_jetrl.actor import model as model_lib
+        from megatron_jetrl.actor import build as model_lib
         from megatron_jetrl.actor.layers import RMSNorm
 
         norm = next(n for n, m in actor.gpt.named_modules() if type(m).__name__ == "ExactRMSNorm")

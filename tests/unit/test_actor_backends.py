@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_jetrl.actor.model import check_fp8_device, check_te_backend  # noqa: E402
+from megatron_jetrl.actor.build import check_fp8_device, check_te_backend  # noqa: E402
 from megatron_jetrl.actor.settings import ActorSettings  # noqa: E402
 from megatron_jetrl.config import ConfigError  # noqa: E402
 from megatron_jetrl.precision import PrecisionRecipe  # noqa: E402

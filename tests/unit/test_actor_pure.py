@@ -158,7 +158,7 @@ def test_te_attention_is_refused_without_te_and_in_the_exact_mode(monkeypatch):
     pytest.importorskip("megatron.core")
     import importlib.util
 
-    from megatron_jetrl.actor.model import check_te_attention
+    from megatron_jetrl.actor.build import check_te_attention
     from megatron_jetrl.precision import PrecisionRecipe
 
     assert check_te_attention(ActorSettings()) is False  # torch's: nothing to check
@@ -196,7 +196,7 @@ def test_sync_free_grad_norm_is_the_l2_norm_and_replaces_only_megatrons_fallback
     import megatron.core.optimizer.clip_grads as clip_grads
     from megatron.core.utils import local_multi_tensor_l2_norm
 
-    from megatron_jetrl.actor.model import foreach_l2_norm, use_sync_free_grad_norm
+    from megatron_jetrl.actor.build import foreach_l2_norm, use_sync_free_grad_norm
 
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=g) * s for n, s in ((1000, 1e-3), (37, 5.0), (4096, 0.2))]
@@ -256,7 +256,7 @@ def test_release_frees_storages_that_others_still_refer_to():
     """``memory.release`` (what ``Actor.close`` runs on parameters, gradients and optimizer state):
     every storage goes to zero bytes, so views and references kept elsewhere hold no memory;
     storages shared by several tensors count once."""
-    from megatron_jetrl.actor.memory import release
+    from megatron_jetrl.actor.offload import release
 
     buffer = torch.zeros(1000)
     params = [buffer[:600].view(20, 30), buffer[600:]]  # megatron's parameters: views of one buffer

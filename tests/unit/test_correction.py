@@ -1,5 +1,5 @@
 """Rollout correction and mismatch metrics against hand-computed values (algo/correction.py,
-algo/metrics.py)."""
+algo/mismatch.py)."""
 
 import math
 

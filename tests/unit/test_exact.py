@@ -350,7 +350,7 @@ def test_models_the_exact_forward_cannot_compute_are_refused():
 
 
 def test_an_exact_model_with_a_module_left_behind_is_refused():
-    from megatron_jetrl.actor.model import check_exact
+    from megatron_jetrl.actor.build import check_exact
 
     config = SimpleNamespace(use_cpu_initialization=True, params_dtype=torch.float32, sequence_parallel=False)
     model = torch.nn.Module()
@@ -661,7 +661,7 @@ def test_the_exact_swiglu_is_megatrons_eager_forward_with_its_compiled_gradient(
     from megatron.core.transformer.mlp import MLP
 
     from megatron_jetrl.actor.exact import ExactSwiGLU
-    from megatron_jetrl.actor.model import check_exact
+    from megatron_jetrl.actor.build import check_exact
 
     config = SimpleNamespace(gated_linear_unit=True, activation_func=F.silu)
     act = ExactSwiGLU(config)

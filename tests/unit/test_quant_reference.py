@@ -1,4 +1,4 @@
-"""The reference quantizer follows the rule in quant.py's docstring exactly.
+"""The reference quantizer follows the rule in blockwise.py's docstring exactly.
 
 Expected codes and scales come from hand-known values or from ``_np_quantize``, an independent
 numpy float32 restatement of the rule with its own e4m3 encoder; the function under test is never

@@ -71,7 +71,7 @@ def _module(n=300, k=520):
 
 
 def test_before_its_first_forward_a_quantizer_with_the_recipes_settings(fake_te):
-    from megatron_jetrl.actor.model import te_fp8_weight
+    from megatron_jetrl.actor.build import te_fp8_weight
 
     m = _module()
     got = te_fp8_weight(m, _recipe())
@@ -84,7 +84,7 @@ def test_before_its_first_forward_a_quantizer_with_the_recipes_settings(fake_te)
 
 
 def test_the_modules_own_quantizer_is_copied_not_changed(fake_te):
-    from megatron_jetrl.actor.model import te_fp8_weight
+    from megatron_jetrl.actor.build import te_fp8_weight
 
     m = _module()
     own = FakeBlockQuantizer(None, rowwise=True, columnwise=True, amax_epsilon=0.0, force_pow_2_scales=False)
@@ -95,7 +95,7 @@ def test_the_modules_own_quantizer_is_copied_not_changed(fake_te):
 
 
 def test_a_quantizer_unlike_the_recipe_is_refused_naming_the_environment(fake_te):
-    from megatron_jetrl.actor.model import te_fp8_weight
+    from megatron_jetrl.actor.build import te_fp8_weight
 
     m = _module()
     m.quantizers = {"scaling_fwd": [None, FakeBlockQuantizer(None, rowwise=True, columnwise=True), None]}

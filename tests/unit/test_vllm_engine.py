@@ -140,7 +140,7 @@ def test_trainer_quant_op_gives_the_scale_layouts_vllm_asks_for(m):
     import torch
 
     from megatron_jetrl.precision import quantize_fp8_blockwise
-    from megatron_jetrl.rollout.vllm_quant import quantize_rows_op
+    from megatron_jetrl.rollout.vllm_activation_quant import quantize_rows_op
 
     op = quantize_rows_op()
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()

@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from megatron_jetrl.ops.exact import custom_ops
 from megatron_jetrl.ops.extension import load_extension
 from megatron_jetrl.rollout.vllm_fusion import fuse_quantizations
-from megatron_jetrl.rollout.vllm_quant import quantize_rows_op
+from megatron_jetrl.rollout.vllm_activation_quant import quantize_rows_op
 
 load_extension()  # the ops' CPU paths run the extension's CPU kernels (built by the install, as in CI)
 

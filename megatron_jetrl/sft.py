@@ -18,7 +18,7 @@ from megatron_jetrl.experience import supervised_batch
 from megatron_jetrl.job import JobConfig, JobData, Resolved
 from megatron_jetrl.runtime.run_checkpoints import RunCheckpoints
 from megatron_jetrl.runtime.console import ConsoleView
-from megatron_jetrl.runtime.metrics import MetricsLogger
+from megatron_jetrl.runtime.metric_sinks import MetricsLogger
 from megatron_jetrl.runtime.signals import PreemptionSignal
 
 

@@ -2,7 +2,7 @@
 
 vLLM quantizes the input of each block-FP8 linear itself (``QuantFP8``, dynamic 1x128 groups):
 ``scale_inv = amax / 448`` and ``q = x / scale_inv``. The trainer uses TE's rule
-(``precision/quant.py``): ``scale = 448 / amax``, ``q = x * scale``, ``scale_inv = 1 / scale``. On
+(``precision/blockwise.py``): ``scale = 448 / amax``, ``q = x * scale``, ``scale_inv = 1 / scale``. On
 the same BF16 input about half the groups get a ``scale_inv`` one ulp apart and about 1e-3 of the
 codes one E4M3 step apart (docs/rollout.md). With this option vLLM hands that quantization to the
 trainer's own kernel (``ops.quantize_1x128``), so the engine multiplies the codes and scales the
