@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 import yaml
 
 from megatron_jetrl import launch
-from megatron_jetrl.config import CheckpointError, ConfigError
+from megatron_jetrl.config import (CheckpointError, ConfigError, HfCheckpointError, MegatronCheckpointError,
+                                   RunCheckpointError)
 from megatron_jetrl.job.estimate import gpu_capacity
 from megatron_jetrl.rollout.engines import engine_kind
 from megatron_jetrl.job import JobConfig, JobData, Resolved, load_data, load_job, missing_inputs, resolve
@@ -81,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     except CheckpointError as e:  # every rank agreed on it (RunCheckpoints.restore_newest): one line, from rank 0
         if _rank() == "0":
-            print(f"checkpoint error: {e}", file=sys.stderr)
+            print(f"{_checkpoint_kind(e)} error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except RunSaveError as e:  # every rank raises it; the one that hit the cause names it
         if _rank() == "0" or e.local:
@@ -112,6 +113,13 @@ def launch_local(argv: list[str], nproc: int) -> int:
         elif not arg.startswith("--nproc-per-node="):
             rest.append(arg)
     return run_local(worker_command(rest), nproc)
+
+
+def _checkpoint_kind(error: CheckpointError) -> str:
+    """Which of the three checkpoints an error is about, for its line: ``run checkpoint``, ..."""
+    kinds = ((RunCheckpointError, "run checkpoint"), (MegatronCheckpointError, "megatron checkpoint"),
+             (HfCheckpointError, "HF checkpoint"))
+    return next((name for kind, name in kinds if isinstance(error, kind)), "checkpoint")
 
 
 def _rank() -> str:

@@ -48,8 +48,8 @@ from megatron_jetrl.models.fp8_export import (
     fp8_plan,
     to_fp8_block,
 )
+from megatron_jetrl.config import HfCheckpointError, MegatronCheckpointError
 from megatron_jetrl.models.hf_checkpoint import (
-    CheckpointError,
     HFCheckpoint,
     TOKENIZER_FILES,
     StreamingSafetensorsWriter,
@@ -148,7 +148,7 @@ class _StreamingPlanner(DefaultSavePlanner):
         chunk = self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
         data = chunk.produce()
         if tuple(data.shape) != chunk.shape or data.dtype != chunk.dtype:
-            raise CheckpointError(f"{chunk.key}: produced {tuple(data.shape)} {data.dtype}, planned "
+            raise MegatronCheckpointError(f"{chunk.key}: produced {tuple(data.shape)} {data.dtype}, planned "
                                   f"{chunk.shape} {chunk.dtype}")
         self.on_chunk()
         return data
@@ -194,7 +194,7 @@ def check_hf_sources(bridge: ModelBridge, hf: HFCheckpoint) -> None:
     for spec in bridge.tensor_map():
         for name in spec.hf:
             if name not in hf:
-                raise CheckpointError(f"HF checkpoint {hf.path} has no tensor {name!r} (needed for {spec.megatron})")
+                raise HfCheckpointError(f"HF checkpoint {hf.path} has no tensor {name!r} (needed for {spec.megatron})")
         bridge.check_sources(spec, hf.shape)
         dtypes = {name: hf.dtype(name) for name in spec.hf}
         for name, dtype in dtypes.items():
@@ -203,17 +203,17 @@ def check_hf_sources(bridge: ModelBridge, hf: HFCheckpoint) -> None:
                 found = (f": {hf.path} is an FP8 checkpoint (with block scales {scale}). FP8 sources are" if scale in hf
                          else f" and its {scale} is missing: {hf.path} is an FP8 checkpoint without its scales "
                          "(an incomplete copy?). FP8 sources, with or without scales, are")
-                raise CheckpointError(
+                raise HfCheckpointError(
                     f"HF tensor {name} is {_dtype_name(dtype)}{found} not supported (their weights are already "
                     "quantized): convert from the BF16 checkpoint the FP8 one was made from")
             if dtype not in WEIGHT_DTYPES:
-                raise CheckpointError(
+                raise HfCheckpointError(
                     f"HF tensor {name} in {hf.path / hf.weight_map[name]} is {_dtype_name(dtype)}; "
                     f"{bridge.architecture} needs a floating-point tensor there ({_weight_dtype_names()}): the file is "
                     "corrupt or not this model's weights; convert from the original BF16 checkpoint")
         if len(set(dtypes.values())) > 1:
             found = ", ".join(f"{name} {_dtype_name(d)}" for name, d in dtypes.items())
-            raise CheckpointError(f"HF tensors fused into {spec.megatron} differ in dtype ({found}); save the "
+            raise HfCheckpointError(f"HF tensors fused into {spec.megatron} differ in dtype ({found}); save the "
                                   "checkpoint in one dtype (e.g. bfloat16) and convert that")
 
 
@@ -301,12 +301,12 @@ def check_checkpoint_shapes(ckpt: Path, bridge: ModelBridge, meta) -> None:
         key = checkpoint_key(spec)
         md = meta.state_dict_metadata.get(key)
         if md is None or not hasattr(md, "size"):
-            raise CheckpointError(f"checkpoint {ckpt} has no tensor {key!r} (needed for {spec.megatron})")
+            raise MegatronCheckpointError(f"checkpoint {ckpt} has no tensor {key!r} (needed for {spec.megatron})")
         stored = tuple(md.size)
         want = (bridge.dims.num_layers, *spec.shape) if spec.layer is not None else spec.shape
         vocab_ok = spec.fuse == "vocab" and stored[1:] == want[1:] and stored[0] >= want[0]
         if stored != want and not vocab_ok:
-            raise CheckpointError(f"checkpoint {ckpt} tensor {key!r} has shape {stored}; "
+            raise MegatronCheckpointError(f"checkpoint {ckpt} tensor {key!r} has shape {stored}; "
                                   f"{bridge.architecture} with its config.json needs {want}")
 
 
@@ -316,9 +316,9 @@ def check_checkpoint_metadata(ckpt: Path, bridge: ModelBridge) -> None:
     try:
         meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
     except Exception as e:  # an unpickler's failures have any type
-        raise CheckpointError(f"{ckpt / DCP_METADATA} cannot be read ({_one_line(e)})") from None
+        raise MegatronCheckpointError(f"{ckpt / DCP_METADATA} cannot be read ({_one_line(e)})") from None
     if not isinstance(meta, Metadata):
-        raise CheckpointError(f"{ckpt / DCP_METADATA} holds a {type(meta).__name__}, not checkpoint metadata")
+        raise MegatronCheckpointError(f"{ckpt / DCP_METADATA} holds a {type(meta).__name__}, not checkpoint metadata")
     check_checkpoint_shapes(ckpt, bridge, meta)
 
 
@@ -327,23 +327,23 @@ def _read_metadata(ckpt: Path) -> Metadata:
     missing or damaged file is a ``CheckpointError`` naming it, before anything is converted."""
     path = ckpt / DCP_METADATA
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: {DAMAGED}")
+        raise MegatronCheckpointError(f"{path} is missing: {DAMAGED}")
     try:
         meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
     except Exception as e:  # an unpickler's failures have any type
-        raise CheckpointError(f"{path} cannot be read ({_one_line(e)}): {DAMAGED}") from None
+        raise MegatronCheckpointError(f"{path} cannot be read ({_one_line(e)}): {DAMAGED}") from None
     if not isinstance(meta, Metadata):
-        raise CheckpointError(f"{path} holds a {type(meta).__name__}, not checkpoint metadata: {DAMAGED}")
+        raise MegatronCheckpointError(f"{path} holds a {type(meta).__name__}, not checkpoint metadata: {DAMAGED}")
     needed: dict[str, int] = {}
     for info in meta.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(needed.items()):
         data = ckpt / name
         if not data.is_file():
-            raise CheckpointError(f"{data} is missing (listed in {path}): {DAMAGED}")
+            raise MegatronCheckpointError(f"{data} is missing (listed in {path}): {DAMAGED}")
         size = data.stat().st_size
         if size < end:
-            raise CheckpointError(f"{data} is truncated ({size} bytes; {path} needs {end}): {DAMAGED}")
+            raise MegatronCheckpointError(f"{data} is truncated ({size} bytes; {path} needs {end}): {DAMAGED}")
     return meta
 
 
@@ -373,7 +373,7 @@ def _read_slices(ckpt: Path, specs: list[TensorSpec], meta) -> dict[str, torch.T
     except Exception as e:  # torch.load of damaged bytes fails with any type
         files = sorted({str(ckpt / info.relative_path) for index, info in meta.storage_data.items()
                         if index.fqn in requests})
-        raise CheckpointError(f"reading {', '.join(files)} failed ({_one_line(e)}): {DAMAGED}") from None
+        raise MegatronCheckpointError(f"reading {', '.join(files)} failed ({_one_line(e)}): {DAMAGED}") from None
     return out
 
 
@@ -390,7 +390,7 @@ def read_megatron_as_hf(
     ckpt = Path(ckpt_dir)
     config_path = ckpt / HF_DIR / "config.json"
     if not config_path.is_file():
-        raise CheckpointError(f"{ckpt} has no {HF_DIR}/config.json; was it written by convert_hf_to_megatron?")
+        raise MegatronCheckpointError(f"{ckpt} has no {HF_DIR}/config.json; was it written by convert_hf_to_megatron?")
     hf_config = read_json(config_path)
     bridge = bridge_for(hf_config)
     if fp8_recipe is not None:
@@ -407,8 +407,9 @@ def read_megatron_as_hf(
     for spec in bridge.tensor_map():
         dtype = meta.state_dict_metadata[checkpoint_key(spec)].properties.dtype
         if dtype not in WEIGHT_DTYPES:
-            raise CheckpointError(f"checkpoint {ckpt} stores {checkpoint_key(spec)!r} as {_dtype_name(dtype)}; model "
-                                  f"weights are {_weight_dtype_names()}: convert it again from the BF16 HF checkpoint")
+            raise MegatronCheckpointError(
+                f"checkpoint {ckpt} stores {checkpoint_key(spec)!r} as {_dtype_name(dtype)}; model weights are "
+                f"{_weight_dtype_names()}: convert it again from the BF16 HF checkpoint")
     plan = [(name, meta.state_dict_metadata[checkpoint_key(spec)].properties.dtype, shape)
             for specs in groups.values() for spec in specs
             for name, shape in zip(spec.hf, bridge.hf_shapes(spec), strict=True)]

@@ -27,7 +27,7 @@ from megatron.core import dist_checkpointing
 
 from megatron_jetrl.actor.hf_conversion import HF_DIR, check_checkpoint_shapes
 from megatron_jetrl.actor.build import use_fused_torch_adam
-from megatron_jetrl.models.hf_checkpoint import CheckpointError
+from megatron_jetrl.config import MegatronCheckpointError
 
 if TYPE_CHECKING:
     from megatron_jetrl.models import ModelBridge
@@ -89,12 +89,13 @@ def save_actor(actor: CheckpointedActor, directory: Path, *, extra: dict) -> Non
 
 def load_actor(actor: CheckpointedActor, directory: Path, *, model_only: Optional[bool]) -> dict:
     if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint directory at {directory}")
+        raise MegatronCheckpointError(f"no checkpoint directory at {directory}")
     has_state = (directory / STATE_FILE).is_file()
     if model_only is None:
         model_only = not has_state
     elif not model_only and not has_state:
-        raise CheckpointError(f"{directory} holds model weights only (no {STATE_FILE}); load it with model_only=True")
+        raise MegatronCheckpointError(f"{directory} holds model weights only (no {STATE_FILE}); load it with "
+                                      "model_only=True")
     check_checkpoint_shapes(directory, actor.bridge, dcp.FileSystemReader(str(directory)).read_metadata())
     if not model_only:
         _init_empty_adam_state(actor)

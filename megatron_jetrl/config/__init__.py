@@ -5,8 +5,12 @@ start-up, before any GPU work (see ``ConfigError``). ``loader`` builds the typed
 dataclasses from YAML and ``key=value`` overrides.
 """
 
-from megatron_jetrl.config.errors import CheckpointError, ConfigError, check_integer, check_number
+from megatron_jetrl.config.errors import (
+    CheckpointError, ConfigError, HfCheckpointError, MegatronCheckpointError, RunCheckpointError, check_integer,
+    check_number,
+)
 from megatron_jetrl.config.loader import apply_overrides, build, check_fields, load_yaml, parse_override, to_plain
 
-__all__ = ["CheckpointError", "ConfigError", "check_integer", "check_number", "apply_overrides", "build",
+__all__ = ["CheckpointError", "ConfigError", "HfCheckpointError", "MegatronCheckpointError", "RunCheckpointError",
+           "check_integer", "check_number", "apply_overrides", "build",
            "check_fields", "load_yaml", "parse_override", "to_plain"]

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 import torch
 
 from megatron_jetrl.models.bridge import ModelBridge
-from megatron_jetrl.models.hf_checkpoint import CheckpointError
+from megatron_jetrl.config import HfCheckpointError
 from megatron_jetrl.precision import WEIGHT_BLOCK, PrecisionRecipe, quantize_fp8_blockwise
 
 SCALE_SUFFIX = "_scale_inv"
@@ -41,7 +41,7 @@ def check_fp8_exportable(bridge: ModelBridge, recipe: PrecisionRecipe) -> None:
         if any(s % WEIGHT_BLOCK[0] for s in shape)
     })
     if bad:
-        raise CheckpointError(
+        raise HfCheckpointError(
             "FP8 block export needs every projection's dims to be multiples of 128; not so here: "
             + ", ".join(bad)
             + ". Export in BF16 (without --fp8-block), or keep those layers in BF16."

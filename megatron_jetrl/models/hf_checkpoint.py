@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megatron_jetrl.config import CheckpointError
+from megatron_jetrl.config import CheckpointError, HfCheckpointError  # noqa: F401  (CheckpointError: the tools catch it here)
 from megatron_jetrl.runtime.atomic import human_size, space_errno, space_problem, tree_bytes
 
 INDEX = "model.safetensors.index.json"
@@ -52,9 +52,9 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        raise HfCheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+        raise HfCheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
 
 
@@ -70,14 +70,14 @@ class SafetensorsFile:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             if size < 8 or not 2 <= n <= min(self.MAX_HEADER_BYTES, size - 8):
-                raise CheckpointError(f"{path}: not a safetensors file (its header claims {n} bytes; the file has "
+                raise HfCheckpointError(f"{path}: not a safetensors file (its header claims {n} bytes; the file has "
                                       f"{size}): truncated or corrupt, download or convert it again")
             try:
                 header = json.loads(f.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+                raise HfCheckpointError(f"{path}: the safetensors header is not valid JSON ({e})") from None
         if not isinstance(header, dict):
-            raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+            raise HfCheckpointError(f"{path}: the safetensors header is not a JSON object")
         header.pop("__metadata__", None)
         self.header: dict[str, Any] = header
         self.data_start = 8 + n
@@ -88,16 +88,16 @@ class SafetensorsFile:
                 shape = [int(x) for x in h["shape"]]
                 dtype = h["dtype"]
             except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {h!r}") from None
+                raise HfCheckpointError(f"{path}: tensor {name!r} has a malformed header entry {h!r}") from None
             if not 0 <= begin <= end:
-                raise CheckpointError(f"{path}: tensor {name!r} has data offsets [{begin}, {end}]")
+                raise HfCheckpointError(f"{path}: tensor {name!r} has data offsets [{begin}, {end}]")
             if end > data_bytes:
-                raise CheckpointError(f"{path}: the file is truncated: tensor {name!r} ends at byte {end} of the "
+                raise HfCheckpointError(f"{path}: the file is truncated: tensor {name!r} ends at byte {end} of the "
                                       f"data, the file holds {data_bytes}; download or convert it again")
             if dtype in _DTYPES:
                 want = _nbytes(_DTYPES[dtype], tuple(shape))
                 if end - begin != want:
-                    raise CheckpointError(f"{path}: tensor {name!r} ({dtype} {shape}) needs {want} bytes; its header "
+                    raise HfCheckpointError(f"{path}: tensor {name!r} ({dtype} {shape}) needs {want} bytes; its header "
                                           f"gives {end - begin}")
 
     def keys(self) -> list[str]:
@@ -107,7 +107,7 @@ class SafetensorsFile:
         """Tensor ``name``, or only its rows [r0, r1) (rows are contiguous in a row-major file)."""
         h = self.header[name]
         if h["dtype"] not in _DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {h['dtype']}, which this reader does not "
+            raise HfCheckpointError(f"{self.path}: tensor {name!r} has dtype {h['dtype']}, which this reader does not "
                                   f"read (it reads {', '.join(_DTYPES)})")
         dtype, shape = _DTYPES[h["dtype"]], list(h["shape"])
         begin, end = h["data_offsets"]
@@ -121,7 +121,7 @@ class SafetensorsFile:
             while done < len(buf):
                 got = os.preadv(f.fileno(), [view[done:]], self.data_start + begin + done)
                 if got <= 0:
-                    raise CheckpointError(f"{self.path}: file ends inside tensor {name!r}")
+                    raise HfCheckpointError(f"{self.path}: file ends inside tensor {name!r}")
                 done += got
         if not buf:
             return torch.empty(shape, dtype=dtype)
@@ -134,24 +134,24 @@ class HFCheckpoint:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"HF checkpoint directory {self.path} does not exist")
+            raise HfCheckpointError(f"HF checkpoint directory {self.path} does not exist")
         config_path = self.path / "config.json"
         if not config_path.is_file():
-            raise CheckpointError(f"{self.path} has no config.json; is it a Hugging Face model directory?")
+            raise HfCheckpointError(f"{self.path} has no config.json; is it a Hugging Face model directory?")
         self.config: dict[str, Any] = read_json(config_path)
         index = self.path / INDEX
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: has no \"weight_map\" object")
+                raise HfCheckpointError(f"{index}: has no \"weight_map\" object")
             self.weight_map: dict[str, str] = weight_map
         elif (self.path / SINGLE).is_file():
             self.weight_map = {name: SINGLE for name in SafetensorsFile(self.path / SINGLE).keys()}
         else:
-            raise CheckpointError(f"{self.path} has neither {INDEX} nor {SINGLE}")
+            raise HfCheckpointError(f"{self.path} has neither {INDEX} nor {SINGLE}")
         for shard in sorted(set(self.weight_map.values())):
             if not (self.path / shard).is_file():
-                raise CheckpointError(f"{self.path}/{INDEX} lists shard {shard}, which does not exist")
+                raise HfCheckpointError(f"{self.path}/{INDEX} lists shard {shard}, which does not exist")
         self._files: dict[str, SafetensorsFile] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -160,11 +160,11 @@ class HFCheckpoint:
     def _file(self, name: str) -> SafetensorsFile:
         shard = self.weight_map.get(name)
         if shard is None:
-            raise CheckpointError(f"HF checkpoint {self.path} has no tensor {name!r}")
+            raise HfCheckpointError(f"HF checkpoint {self.path} has no tensor {name!r}")
         if shard not in self._files:
             self._files[shard] = SafetensorsFile(self.path / shard)
         if name not in self._files[shard].header:
-            raise CheckpointError(f"{self.path}/{shard} has no tensor {name!r}, though the index lists it there")
+            raise HfCheckpointError(f"{self.path}/{shard} has no tensor {name!r}, though the index lists it there")
         return self._files[shard]
 
     def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -179,7 +179,7 @@ class HFCheckpoint:
         """From the safetensors header; reads no data."""
         code = self._file(name).header[name]["dtype"]
         if code not in _DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {code}, which this reader does not read "
+            raise HfCheckpointError(f"{self.path}: tensor {name!r} has dtype {code}, which this reader does not read "
                                   f"(it reads {', '.join(_DTYPES)})")
         return _DTYPES[code]
 

@@ -22,7 +22,8 @@ from transformers.modeling_utils import AttentionInterface
 
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.models.fp8_export import SCALE_SUFFIX
-from megatron_jetrl.models.hf_checkpoint import CheckpointError, HFCheckpoint
+from megatron_jetrl.config import HfCheckpointError
+from megatron_jetrl.models.hf_checkpoint import HFCheckpoint
 from megatron_jetrl.ops import NativeQuantizer
 from megatron_jetrl.precision import (
     WEIGHT_BLOCK,
@@ -118,7 +119,7 @@ class HfEngine:
         checkpoint = HFCheckpoint(path)
         qc = checkpoint.config.get("quantization_config")
         if qc is not None and list(qc.get("weight_block_size") or []) != list(WEIGHT_BLOCK):
-            raise CheckpointError(f"{path}: quantization_config {qc} is not the FP8 block layout "
+            raise HfCheckpointError(f"{path}: quantization_config {qc} is not the FP8 block layout "
                                   f"(quant_method fp8, weight_block_size {list(WEIGHT_BLOCK)})")
         engine = cls(checkpoint.config, recipe, options, **kwargs)
         engine.load_checkpoint(checkpoint)
@@ -173,12 +174,12 @@ class HfEngine:
         wanted = {n for n in self._specs if not n.endswith(SCALE_SUFFIX)}
         missing = sorted(n for n in wanted if n not in checkpoint)
         if missing:
-            raise CheckpointError(f"{checkpoint.path} lacks {len(missing)} tensor(s) the engine needs, "
+            raise HfCheckpointError(f"{checkpoint.path} lacks {len(missing)} tensor(s) the engine needs, "
                                   f"e.g. {missing[:3]}")
         known = set(self._specs) | {n + SCALE_SUFFIX for n in wanted} | ignored
         unknown = sorted(n for n in checkpoint.weight_map if n not in known)
         if unknown:
-            raise CheckpointError(f"{checkpoint.path} has {len(unknown)} tensor(s) this {self.dims.architecture} "
+            raise HfCheckpointError(f"{checkpoint.path} has {len(unknown)} tensor(s) this {self.dims.architecture} "
                                   f"engine does not have, e.g. {unknown[:3]}; does config.json match the weights?")
         bucket, size = [], 0
         for name, t in self._checkpoint_tensors(checkpoint, sorted(wanted)):
@@ -197,7 +198,7 @@ class HfEngine:
             stored_fp8 = t.dtype == torch.float8_e4m3fn
             if stored_fp8:
                 if name + SCALE_SUFFIX not in checkpoint:
-                    raise CheckpointError(f"{checkpoint.path}: FP8 tensor {name} has no {name + SCALE_SUFFIX}")
+                    raise HfCheckpointError(f"{checkpoint.path}: FP8 tensor {name} has no {name + SCALE_SUFFIX}")
                 scale_inv = checkpoint.get(name + SCALE_SUFFIX)
             if self._specs[name].dtype == torch.float8_e4m3fn:
                 if not stored_fp8:

@@ -40,7 +40,7 @@ from typing import Callable, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_jetrl.config import CheckpointError, ConfigError
+from megatron_jetrl.config import ConfigError, RunCheckpointError
 from megatron_jetrl.runtime.atomic import (fsync_dir, human_size, save_json_atomic, space_errno, space_problem,
                                           tree_bytes, write_atomic)
 
@@ -287,7 +287,7 @@ class RunCheckpoints:
         """Collective. ``restore`` the newest checkpoint every rank can read (``candidates()`` order),
         and return it. One that fails on any rank (a file missing, truncated or corrupt) is passed
         to ``warn`` with its problem (``label(checkpoint): error``) and the one before it is tried;
-        ``CheckpointError`` naming each checkpoint and its problem when none can be read."""
+        ``RunCheckpointError`` naming each checkpoint and its problem when none can be read."""
         problems = []
         for checkpoint in self.candidates():
             try:
@@ -299,7 +299,7 @@ class RunCheckpoints:
                 return checkpoint
             problems.append(f"{label(checkpoint)}: {problem or 'unreadable on another rank'}")
             warn(checkpoint, problems[-1])
-        raise CheckpointError(f"no checkpoint in {self.root} can be read ({'; '.join(problems)}); "
+        raise RunCheckpointError(f"no checkpoint in {self.root} can be read ({'; '.join(problems)}); "
                               "move the broken ones away, or start over in a new run.dir")
 
     def candidates(self) -> list[Path]:

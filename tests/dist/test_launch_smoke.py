@@ -129,7 +129,7 @@ def test_smoke_skips_an_unreadable_state_and_names_it_then_refuses_when_none_is_
     code, out, err = smoke_once(tmp_path, "run.steps=4", "run.save_every=1")
     assert code == 2 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines() == [
-        f"checkpoint error: no checkpoint in {root} can be read ({root / 'step_00000003' / 'state.json'}: "
+        f"run checkpoint error: no checkpoint in {root} can be read ({root / 'step_00000003' / 'state.json'}: "
         f"ValueError: holds {{'step': 7}}, not {{'step': 3}}; {root / 'step_00000002' / 'state.json'}: "
         "JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
         "move the broken ones away, or start over in a new run.dir"]
