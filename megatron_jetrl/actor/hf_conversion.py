@@ -311,15 +311,9 @@ def check_checkpoint_shapes(ckpt: Path, bridge: ModelBridge, meta) -> None:
 
 
 def check_checkpoint_metadata(ckpt: Path, bridge: ModelBridge) -> None:
-    """``check_checkpoint_shapes`` from ``ckpt``'s metadata file alone (no tensor is read); a
-    ``CheckpointError`` when it cannot be read or a shape differs."""
-    try:
-        meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
-    except Exception as e:  # an unpickler's failures have any type
-        raise MegatronCheckpointError(f"{ckpt / DCP_METADATA} cannot be read ({_one_line(e)})") from None
-    if not isinstance(meta, Metadata):
-        raise MegatronCheckpointError(f"{ckpt / DCP_METADATA} holds a {type(meta).__name__}, not checkpoint metadata")
-    check_checkpoint_shapes(ckpt, bridge, meta)
+    """``check_checkpoint_shapes`` from ``ckpt``'s metadata (``_read_metadata``: its data files
+    present and long enough; no tensor is read); a ``MegatronCheckpointError`` otherwise."""
+    check_checkpoint_shapes(ckpt, bridge, _read_metadata(ckpt))
 
 
 def _read_metadata(ckpt: Path) -> Metadata:
