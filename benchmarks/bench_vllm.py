@@ -458,6 +458,17 @@ def step_runs(args) -> dict:
     return results
 
 
+STEP_TARGET_LAYERS = 16
+"""The decoder layers the RL-step targets are stated for (``--step-layers``' default)."""
+
+
+def step_layers_note(layers: int) -> str:
+    """The headline note of a step figure measured at another layer count than the targets'."""
+    if layers == STEP_TARGET_LAYERS:
+        return ""
+    return f"measured at {layers} decoder layers; the target is stated for {STEP_TARGET_LAYERS}"
+
+
 def step_config(run_dir: Path) -> dict:
     """What the table names of a step run, read from the config the run resolved (run_dir/config.yaml,
     written by ``jetrl train``), not restated from the benchmark's arguments and the YAML's defaults."""
@@ -543,6 +554,7 @@ def table(args) -> str:
     if step:
         conf = next(iter(step.values())).get("config", {"layers": 6, "response_len": 512})  # older runs: the defaults
         timed = {mode: _step_seconds(r) for mode, r in step.items()}
+        layers_note = step_layers_note(conf["layers"])
         lines.append(f"\n== RL step with vLLM rollout, Qwen3-8B layer shapes ({conf['layers']} layers, responses "
                      f"of {conf['response_len']} tokens, micro-batches of {conf.get('mb_tokens', 4096)} tokens), "
                      "median s over the timed steps ==")
@@ -569,10 +581,10 @@ def table(args) -> str:
                          + f" {ratios['step'].spread[0]:>6.2f}x-{ratios['step'].spread[1]:.2f}x")
             if equal_work and base == "bf16" and mode in STEP_HEADLINE:  # the product's FP8 rollouts over BF16
                 against = "the BF16 step with its logprob recompute (the same run, one mode after the other)"
-                headline[STEP_HEADLINE[mode]] = (ratios["step"].against(against), step[mode])
+                headline[STEP_HEADLINE[mode]] = (ratios["step"].against(against).noted(layers_note), step[mode])
                 if mode == "fp8":
-                    headline["rl_generate_fp8_over_bf16"] = (ratios["generate"].against("BF16's generate phase"),
-                                                             step[mode])
+                    headline["rl_generate_fp8_over_bf16"] = (
+                        ratios["generate"].against("BF16's generate phase").noted(layers_note), step[mode])
         if "fp8" in step and "fp8-exact" in step:
             exact = Figure.ratio(timed["fp8"]["step"], timed["fp8-exact"]["step"])
             lines.append(f"{'fp8/exact':>17} {exact.value:>8.2f}x step ({exact.spread[0]:.2f}x-{exact.spread[1]:.2f}x; "
@@ -581,8 +593,8 @@ def table(args) -> str:
                 gemm = step["fp8"].get("config", {}).get("fp8_gemm", "the command's --fp8-gemm")
                 gemm = {"auto": "DeepGEMM", "deep_gemm": "DeepGEMM", "cutlass": "CUTLASS"}.get(gemm, gemm)
                 headline["rl_step_exact_over_default"] = (
-                    exact.against(f"the default FP8 step ({gemm}; with its logprob recompute), the same run"),
-                    step["fp8-exact"])
+                    exact.against(f"the default FP8 step ({gemm}; with its logprob recompute), the same run")
+                    .noted(layers_note), step["fp8-exact"])
         for mode, r in step.items():
             if "profile" in r:
                 lines.extend(profile_lines(mode, r["profile"]))

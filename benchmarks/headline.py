@@ -98,17 +98,24 @@ class Figure:
     """A headline number: the median of ``repeats`` measurements (1: a single one) and the lowest and
     highest of them; ``runs``: how many separate runs (processes, invocations) those repeats pool (1:
     consecutive repeats inside one run, whose run-to-run variation is not sampled); ``baseline``: for a
-    ratio, what it divides by as the run measured it (the mode, GEMM and flow of each side)."""
+    ratio, what it divides by as the run measured it (the mode, GEMM and flow of each side); ``note``:
+    what a reader must know about this entry that its key's description does not say (a layer count
+    other than the target's, a GEMM other than the default), printed with it in the table."""
 
     value: float
     repeats: int
     spread: tuple[float, float]
     runs: int = 1
     baseline: str = ""
+    note: str = ""
 
     def against(self, baseline: str, runs: int = 1) -> "Figure":
         """This figure with what it was measured against and the runs it pools."""
         return dataclasses.replace(self, baseline=baseline, runs=runs)
+
+    def noted(self, note: str) -> "Figure":
+        """This figure with ``note`` (empty: none)."""
+        return dataclasses.replace(self, note=note)
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> "Figure":
@@ -167,7 +174,7 @@ def update(path: str | Path, figures: Mapping[str, Figure], *, device: str, comm
             raise ValueError(f"headline {key}: {fig!r} is not a finite number with its repeats and runs")
         data[key] = {"value": _round(fig.value), "repeats": fig.repeats, "runs": fig.runs,
                      "spread": [_round(v) for v in fig.spread], "baseline": fig.baseline, "device": device,
-                     "command": command, "date": date}
+                     "command": command, "date": date, **({"note": fig.note} if fig.note else {})}
     _write(path, data)
     return data
 
@@ -184,12 +191,15 @@ def table(data: Mapping[str, Mapping]) -> str:
     """The headline file as a markdown table, in ``KEYS`` order (keys it does not list last). Each
     value says how many repeats of how many runs it is (``3 × 1 run``: consecutive repeats of one run,
     whose run-to-run variation is not in the spread; entries written before runs were recorded were
-    all of one run) and, for a ratio, its baseline as the run recorded it."""
+    all of one run), for a ratio its baseline as the run recorded it, and the entry's note after
+    what the key measures."""
     rows = ["| key | what | value | spread | repeats × runs | baseline | target | device | date |",
             "|---|---|---:|---|---|---|---|---|---|"]
     for key in [k for k in KEYS if k in data] + sorted(k for k in data if k not in KEYS):
         what, target = (cell.replace("|", "\\|") for cell in KEYS.get(key, ("(not described in headline.py)", "")))
         entry = data[key]
+        if entry.get("note"):
+            what += " — **note:** " + entry["note"].replace("|", "\\|")
         spread = f"{entry['spread'][0]:.4g}–{entry['spread'][1]:.4g}" if "spread" in entry else "— (not recorded)"
         runs = entry.get("runs", 1)
         count = f"{entry.get('repeats', 1)} × {runs} run{'s' if runs > 1 else ''}"
@@ -209,7 +219,7 @@ def with_table(text: str, data: Mapping[str, Mapping]) -> str:
 
 
 ENTRY_FIELDS = ("value", "repeats", "spread", "device", "command", "date")
-OPTIONAL_FIELDS = ("runs", "baseline")
+OPTIONAL_FIELDS = ("runs", "baseline", "note")
 """Fields an entry has when written since they were introduced (``update`` writes all)."""
 
 

@@ -275,7 +275,27 @@ def test_step_modes_with_te_attention_are_compared_with_bf16_with_te_attention(t
     rows = {w[0]: w for w in (line.split() for line in text.splitlines()) if w and "/" in w[0]}
     assert rows["bf16/fp8"][5] == "1.14x" and rows["bf16-ta/fp8-ta"][5] == "1.19x"
     assert rows["bf16/bf16-ta"][5] == "1.05x" and "bf16/fp8-ta" not in rows
-    assert set(json.loads(headline.read_text())) == {"rl_step_vllm_fp8_over_bf16", "rl_generate_fp8_over_bf16"}
+    entries = json.loads(headline.read_text())
+    assert set(entries) == {"rl_step_vllm_fp8_over_bf16", "rl_generate_fp8_over_bf16"}
+    # these runs are of 6 layers (no config recorded: the old default), the targets of 16: each entry says so
+    assert {e["note"] for e in entries.values()} == {"measured at 6 decoder layers; the target is stated for 16"}
+    assert bench_vllm.step_layers_note(16) == ""
+
+
+def test_a_note_is_kept_by_merge_and_printed_after_what_the_key_measures(tmp_path):
+    from benchmarks.headline import Figure, merge, update
+
+    run = tmp_path / "run.json"
+    update(run, {"linear_fp8_over_bf16": Figure.of([1.2, 1.3, 1.25]).noted("on CUTLASS | not the default")},
+           device="GPU X", command="python -m benchmarks.bench_fp8_linear")
+    update(run, {"vllm_sync_8b_s": Figure.of([0.3])}, device="GPU X", command="python -m benchmarks.bench_vllm sync")
+    merged = tmp_path / "headline.json"
+    merge(merged, [run])
+    data = json.loads(merged.read_text())
+    assert data["linear_fp8_over_bf16"]["note"] == "on CUTLASS | not the default"
+    assert "note" not in data["vllm_sync_8b_s"]
+    row = next(line for line in headline_table(data).splitlines() if "`linear_fp8_over_bf16`" in line)
+    assert "Qwen3-8B shapes — **note:** on CUTLASS \\| not the default |" in row
 
 
 def test_table_marks_a_mode_cut_off_before_its_cases_finished(tmp_path):
