@@ -143,15 +143,41 @@ RECORDED_ENV = ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES",)
 read at its import): a command records the ones set."""
 
 
+OUTPUT_OPTIONS = ("--headline", "--json", "--work", "--out")
+"""Options that say where a run writes, not what it measures: a recorded command names them by a
+placeholder (``--work WORK``), as a host's paths mean nothing on another machine."""
+
+
+def portable_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the values of ``OUTPUT_OPTIONS`` replaced by their placeholders."""
+    out, placeholder = [], None
+    for arg in argv:
+        if placeholder is not None:
+            out.append(placeholder)
+            placeholder = None
+            continue
+        name, eq, _ = arg.partition("=")
+        if name in OUTPUT_OPTIONS:
+            if eq:
+                out.append(f"{name}={name[2:].upper()}")
+            else:
+                out.append(arg)
+                placeholder = name[2:].upper()
+            continue
+        out.append(arg)
+    return out
+
+
 def command_line(module: str, argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.environ) -> str:
     """The full command that ran this benchmark: ``python -m MODULE`` and its arguments, or
-    ``torchrun --nproc-per-node N -m MODULE ...`` under torchrun, after the ``RECORDED_ENV`` set."""
+    ``torchrun --nproc-per-node N -m MODULE ...`` under torchrun, after the ``RECORDED_ENV`` set;
+    where it wrote is a placeholder (``portable_argv``), so the command runs as written anywhere."""
     env = [f"{name}={environ[name]}" for name in RECORDED_ENV if name in environ]
     if "TORCHELASTIC_RUN_ID" in environ:  # set by torchrun for its workers
         launcher = ["torchrun", "--nproc-per-node", environ.get("LOCAL_WORLD_SIZE", "1")]
     else:
         launcher = ["python"]
-    return shlex.join([*env, *launcher, "-m", module, *(sys.argv[1:] if argv is None else argv)])
+    return shlex.join([*env, *launcher, "-m", module, *portable_argv(sys.argv[1:] if argv is None else argv)])
 
 
 def _round(x: float) -> float:

@@ -729,16 +729,28 @@ def replay(command: str):
                                "--repeats", "3"], {}),
     ("benchmarks.bench_actor_step", ["--layers", "16", "--modes", "bf16,fp8,bf16-te,fp8-te"],
      {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "1", "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}),
-    ("benchmarks.exact_ablation", ["all", "--models", "tiny,8b6", "--seeds", "3", "--work", "/tmp/a b"], {}),
+    ("benchmarks.exact_ablation", ["all", "--models", "tiny,8b6", "--seeds", "3", "--work", "/tmp/a b",
+                                   "--headline=/tmp/vllm_gpu_out/h.json"], {}),
 ])
 def test_a_recorded_command_runs_as_written(module, argv, environ):
     """What a headline entry records is the command that ran: its environment variables that change the
     measurement, its launcher and its arguments, which the benchmark's own parser reads back as they were
-    (quoted where a value needs it)."""
+    (quoted where a value needs it), except where it wrote: a placeholder, not the host's path."""
     import importlib
+
+    from benchmarks.headline import portable_argv
 
     command = command_line(module, argv, environ)
     env, launcher, args = replay(command)
     assert env == {k: v for k, v in environ.items() if k == "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"}
     assert launcher[0] == ("torchrun" if "TORCHELASTIC_RUN_ID" in environ else "python")
-    assert vars(args) == vars(importlib.import_module(module).build_parser().parse_args(argv))
+    assert vars(args) == vars(importlib.import_module(module).build_parser().parse_args(portable_argv(argv)))
+    assert "/tmp" not in command
+
+
+def test_output_locations_are_placeholders():
+    from benchmarks.headline import portable_argv
+
+    assert portable_argv(["decode", "--work", "/tmp/x", "--json=/tmp/r.json", "--repeats", "3", "--headline",
+                          "h.json", "--out", "o"]) == [
+        "decode", "--work", "WORK", "--json=JSON", "--repeats", "3", "--headline", "HEADLINE", "--out", "OUT"]
