@@ -21,8 +21,8 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         importlib.util.find_spec("transformer_engine") is None and os.environ.get("JETRL_REQUIRE_TE") != "1",
-        reason="Transformer Engine is not installed here (hosts/offline/te_install.sh installs it on the GPU "
-               "host)"),
+        reason="Transformer Engine is not installed here: pip install 'megatron-jetrl[te]' (the offline host: "
+               "hosts/offline/te_install.sh)"),
 ]
 
 

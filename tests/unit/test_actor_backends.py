@@ -32,7 +32,7 @@ def test_te_backend_without_te_says_so():
         check_te_backend(settings, num_layers=4)
 
 
-@pytest.mark.skipif(not HAVE_TE, reason="Transformer Engine is not installed on this machine")
+@pytest.mark.skipif(not HAVE_TE, reason="Transformer Engine is not installed here: pip install 'megatron-jetrl[te]'")
 def test_te_backend_contract(monkeypatch):
     """TE accepts the recipe's Float8BlockScaling kwargs, the launcher env is enforced, and the TE
     layer spec is megatron's."""
