@@ -3,6 +3,7 @@
 
 #include "dtypes.h"
 #include "messages.h"
+#include "quantize.h"
 
 #include <algorithm>
 #include <cmath>
@@ -53,13 +54,8 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_quant(const at::Tensor& x, bool pow2
               "multiple of 128 (whole 1x128 groups); got ", dims(x.sizes()));
   TORCH_CHECK(x.stride(1) == 1, "silu_mul_quant: x's last dim must be contiguous (stride 1); got strides ",
               dims(x.strides()));
-  TORCH_CHECK(std::isfinite(quant_eps) && quant_eps >= 0.0, "silu_mul_quant: quant_eps must be a finite number >= 0; "
-              "got ", std::to_string(quant_eps));
-  TORCH_CHECK(m_align >= 1, "silu_mul_quant: m_align must be >= 1; got ", std::to_string(m_align));
   const int64_t R = x.size(0), I = x.size(1) / 2;
-  const int64_t ld = std::max<int64_t>((R + m_align - 1) / m_align * m_align, 1);
-  at::Tensor q = at::empty({R, I}, x.options().dtype(at::kFloat8_e4m3fn).memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor s = at::empty_strided({R, I / 128}, {1, ld}, x.options().dtype(at::kFloat));
+  auto [q, s, ld] = rows_quantized_output(x, R, I, quant_eps, m_align, "silu_mul_quant");
   if (R == 0) return {q, s};
 #ifdef JETRL_WITH_CUDA
   SiluMulQuantArgs args;

@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -104,6 +105,17 @@ bool with_cuda() {
 #else
   return false;
 #endif
+}
+
+RowsQuantized rows_quantized_output(const at::Tensor& x, int64_t R, int64_t K, double quant_eps, int64_t m_align,
+                                    const char* op) {
+  TORCH_CHECK(std::isfinite(quant_eps) && quant_eps >= 0.0, op, ": quant_eps must be a finite number >= 0; got ",
+              std::to_string(quant_eps));
+  TORCH_CHECK(m_align >= 1, op, ": m_align must be >= 1; got ", std::to_string(m_align));
+  const int64_t ld = std::max<int64_t>((R + m_align - 1) / m_align * m_align, 1);
+  at::Tensor q = at::empty({R, K}, x.options().dtype(at::kFloat8_e4m3fn).memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor s = at::empty_strided({R, K / kBlock}, {1, ld}, x.options().dtype(at::kFloat));
+  return {q, s, ld};
 }
 
 }  // namespace jetrl

@@ -40,4 +40,16 @@ std::vector<at::Tensor> quantize_128x128(const at::Tensor& x, bool with_transpos
 
 bool with_cuda();
 
+// The outputs of a fused op that quantizes its [R, K] result in 1x128 groups along K (the exact
+// forward's norm + quantization and SiLU·mul + quantization): codes [R, K] row-major, and scales
+// [R, K / 128] with strides (1, ld), ld = R rounded up to m_align (at least 1): the layout the
+// engine's block-FP8 GEMM reads (ops.quantize.rows_scale_layout). Checks quant_eps and m_align,
+// naming `op`.
+struct RowsQuantized {
+  at::Tensor q, s;
+  int64_t ld;
+};
+RowsQuantized rows_quantized_output(const at::Tensor& x, int64_t R, int64_t K, double quant_eps, int64_t m_align,
+                                    const char* op);
+
 }  // namespace jetrl

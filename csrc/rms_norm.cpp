@@ -9,6 +9,7 @@
 // - std::sqrt(float) and float division are correctly rounded (IEEE 754).
 #include "dtypes.h"
 #include "messages.h"
+#include "quantize.h"
 #include "rms_norm.h"
 
 #include <ATen/Parallel.h>
@@ -157,15 +158,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& 
               " (ops.exact.rms_norm_quant norms, then quantizes, elsewhere)");
   const bool add = residual.has_value() && residual->defined();
   if (add) check_residual(x, *residual, "rms_norm_quant");
-  TORCH_CHECK(std::isfinite(quant_eps) && quant_eps >= 0.0, "rms_norm_quant: quant_eps must be a finite number >= 0; got ",
-              std::to_string(quant_eps));
-  TORCH_CHECK(m_align >= 1, "rms_norm_quant: m_align must be >= 1; got ", std::to_string(m_align));
   const int64_t R = x.size(0), H = x.size(1);
-  const int64_t ld = std::max<int64_t>((R + m_align - 1) / m_align * m_align, 1);
-  const auto contiguous = x.options().memory_format(at::MemoryFormat::Contiguous);
-  at::Tensor q = at::empty({R, H}, contiguous.dtype(at::kFloat8_e4m3fn));
-  at::Tensor s = at::empty_strided({R, H / kNormLanes}, {1, ld}, x.options().dtype(at::kFloat));
-  at::Tensor total = add ? at::empty({R, H}, contiguous) : at::Tensor();
+  auto [q, s, ld] = rows_quantized_output(x, R, H, quant_eps, m_align, "rms_norm_quant");
+  at::Tensor total = add ? at::empty({R, H}, x.options().memory_format(at::MemoryFormat::Contiguous)) : at::Tensor();
   if (R == 0) return {q, s, total};
 #ifdef JETRL_WITH_CUDA
   NormQuantArgs args;
