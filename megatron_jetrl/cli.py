@@ -23,8 +23,7 @@ from typing import Optional, Sequence
 import yaml
 
 from megatron_jetrl import launch
-from megatron_jetrl.config import (CheckpointError, ConfigError, HfCheckpointError, MegatronCheckpointError,
-                                   RunCheckpointError)
+from megatron_jetrl.config import CheckpointError, ConfigError
 from megatron_jetrl.job.estimate import gpu_capacity
 from megatron_jetrl.rollout.engines import engine_kind
 from megatron_jetrl.job import JobConfig, JobData, Resolved, load_data, load_job, missing_inputs, resolve
@@ -82,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     except CheckpointError as e:  # every rank agreed on it (RunCheckpoints.restore_newest): one line, from rank 0
         if _rank() == "0":
-            print(f"{_checkpoint_kind(e)} error: {e}", file=sys.stderr)
+            print(f"{e.kind} error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except RunSaveError as e:  # every rank raises it; the one that hit the cause names it
         if _rank() == "0" or e.local:
@@ -97,11 +96,12 @@ def launch_local(argv: list[str], nproc: int) -> int:
 
     if nproc < 1:
         raise ConfigError("--nproc-per-node", nproc, "must be >= 1 (one process per GPU)")
-    outer = next((name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name in os.environ), None)
-    if outer is None and os.environ.get("SLURM_STEP_ID", "batch") != "batch" and "SLURM_PROCID" in os.environ:
-        outer = "SLURM_PROCID"
-    if outer is not None:
-        raise ConfigError("--nproc-per-node", nproc, f"this process is already one of a launch ({outer} is set): "
+    try:
+        outer = launch.detect(os.environ).launcher
+    except launch.LaunchError:  # the batch script of a several-task allocation: this launcher starts them
+        outer = "single"
+    if outer != "single":
+        raise ConfigError("--nproc-per-node", nproc, f"this process is already one of a launch (started by {outer}): "
                           "let that launcher start the processes (srun --ntasks-per-node, torchrun --nproc-per-node) "
                           "and drop --nproc-per-node")
     rest, skip = [], False
@@ -113,13 +113,6 @@ def launch_local(argv: list[str], nproc: int) -> int:
         elif not arg.startswith("--nproc-per-node="):
             rest.append(arg)
     return run_local(worker_command(rest), nproc)
-
-
-def _checkpoint_kind(error: CheckpointError) -> str:
-    """Which of the three checkpoints an error is about, for its line: ``run checkpoint``, ..."""
-    kinds = ((RunCheckpointError, "run checkpoint"), (MegatronCheckpointError, "megatron checkpoint"),
-             (HfCheckpointError, "HF checkpoint"))
-    return next((name for kind, name in kinds if isinstance(error, kind)), "checkpoint")
 
 
 def _rank() -> str:

@@ -22,21 +22,29 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint on disk is missing something or has the wrong shape; the message names it.
-    Three kinds of checkpoint, one subclass each, so a message and a handler say which."""
+    Three kinds of checkpoint, one subclass each, so a message and a handler say which (``kind``)."""
+
+    kind = "checkpoint"
 
 
 class HfCheckpointError(CheckpointError):
     """An HF checkpoint (``config.json`` + safetensors): a downloaded model, a conversion's output,
     an FP8 block export."""
 
+    kind = "HF checkpoint"
+
 
 class MegatronCheckpointError(CheckpointError):
     """A megatron-core checkpoint (``torch.distributed.checkpoint``): converted weights
     (``model.checkpoint``) or the ``actor/`` of a run checkpoint."""
 
+    kind = "megatron checkpoint"
+
 
 class RunCheckpointError(CheckpointError):
     """A run's checkpoints (``run.dir/checkpoints/step_N``: actor, trainer state, RNG states)."""
+
+    kind = "run checkpoint"
 
 
 def check_integer(key: str, value: object, *, minimum: int | None = None) -> None:

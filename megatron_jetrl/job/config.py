@@ -296,8 +296,8 @@ def resume_changes(job: "JobConfig", saved: Mapping[str, Any]) -> list[tuple[str
     for key in sorted(set(now) & set(before)):  # a key one side lacks: another release's config
         if not _under(key, RESUME_FIXED) or _under(key, RESUME_FREE) or _under(key, job.run.allow_changes):
             continue
-        if now.get(key) != before.get(key):
-            changed.append((key, before.get(key), now.get(key)))
+        if now[key] != before[key]:
+            changed.append((key, before[key], now[key]))
     return changed
 
 

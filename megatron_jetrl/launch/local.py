@@ -33,10 +33,6 @@ GRACE_S = 120.0
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")
-"""Set by a launcher for each of its processes: a process with one of them is a worker already."""
-
-
 def worker_env(environ: Mapping[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
     """The environment of worker ``rank`` of ``nproc`` on this machine: ``environ`` and torchrun's
     variables for a one-node job (its SLURM step variables left out: this launcher places them)."""

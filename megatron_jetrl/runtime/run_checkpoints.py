@@ -137,8 +137,9 @@ class RunCheckpoints:
             except (Exception, CheckpointException) as e:  # dcp's CheckpointException is a BaseException
                 error = e
             if any_rank(error is not None):
-                written = tree_bytes(staging) if self.rank == 0 else 0
+                written = 0
                 if self.rank == 0:
+                    written = tree_bytes(staging)
                     shutil.rmtree(staging, ignore_errors=True)
                 failure = self._save_failed(step, error, written)
                 if failure is error:

@@ -219,6 +219,6 @@ def test_nproc_per_node_passes_on_a_workers_error_and_is_refused_under_another_l
                              "--nproc-per-node", "2", f"run.dir={tmp_path / 'run'}"],
                             env=slurm_env(81, 2, 0), capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert nested.returncode == 2 and nested.stderr.strip() == (
-        "config error: --nproc-per-node: got 2; this process is already one of a launch (SLURM_PROCID is set): let "
+        "config error: --nproc-per-node: got 2; this process is already one of a launch (started by srun): let "
         "that launcher start the processes (srun --ntasks-per-node, torchrun --nproc-per-node) and drop "
         "--nproc-per-node"), nested.stderr

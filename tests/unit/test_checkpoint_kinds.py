@@ -2,7 +2,6 @@
 
 import pytest
 
-from megatron_jetrl.cli import _checkpoint_kind
 from megatron_jetrl.config import CheckpointError, HfCheckpointError, MegatronCheckpointError, RunCheckpointError
 from megatron_jetrl.models.hf_checkpoint import HFCheckpoint
 from megatron_jetrl.runtime import RunCheckpoints
@@ -30,7 +29,7 @@ def test_each_checkpoint_raises_its_own_kind(tmp_path):
                              warn=lambda c, p: None)
 
 
-def test_the_cli_names_the_kind():
-    assert [_checkpoint_kind(e("x")) for e in (RunCheckpointError, MegatronCheckpointError, HfCheckpointError,
-                                               CheckpointError)] == [
+def test_each_error_names_its_kind():
+    assert [e("x").kind for e in (RunCheckpointError, MegatronCheckpointError, HfCheckpointError,
+                                  CheckpointError)] == [
         "run checkpoint", "megatron checkpoint", "HF checkpoint", "checkpoint"]
