@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kThreads)
 // encodes it (quantize_cuda.cuh).
 constexpr int kQuantWarps = 4;
 
-template <typename T>
+template <typename T, bool kVec4>
 __global__ void __launch_bounds__(kQuantWarps * 32) silu_mul_quant_kernel(SiluMulQuantArgs a) {
   const int lane = threadIdx.x % 32;
   const int64_t groups = a.I / 128;
@@ -69,11 +69,22 @@ __global__ void __launch_bounds__(kQuantWarps * 32) silu_mul_quant_kernel(SiluMu
   if (group >= a.R * groups) return;  // whole warps: the shuffles inside see every lane of theirs
   const int64_t row = group / groups, g = group % groups, c0 = g * 128 + 4 * lane;
   const T* xr = static_cast<const T*>(a.x) + row * a.x_stride;
+  Pack<T, 4> gate, up;  // one 4-value load each where the layout is aligned to it
+  if constexpr (kVec4) {
+    gate = *reinterpret_cast<const Pack<T, 4>*>(xr + c0);
+    up = *reinterpret_cast<const Pack<T, 4>*>(xr + a.I + c0);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      gate.v[e] = xr[c0 + e];
+      up.v[e] = xr[a.I + c0 + e];
+    }
+  }
   T v[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const float s = silu_rounded<T>(Round<T>::to_float(xr[c0 + e]));
-    v[e] = Round<T>::from_float(__fmul_rn(s, Round<T>::to_float(xr[a.I + c0 + e])));
+    const float s = silu_rounded<T>(Round<T>::to_float(gate.v[e]));
+    v[e] = Round<T>::from_float(__fmul_rn(s, Round<T>::to_float(up.v[e])));
   }
   float scale_inv;
   const uint32_t codes = quant::encode_warp_group<T>(v, a.pow2, a.quant_eps, &scale_inv);
@@ -140,8 +151,13 @@ void launch_static_fp8_quant(const StaticQuantArgs& a, cudaStream_t stream) {
 void silu_mul_quant_cuda(const SiluMulQuantArgs& args, at::ScalarType dtype, const at::Tensor& x) {
   by_dtype_on_stream(x, dtype, "silu_mul_quant", [&](auto t, cudaStream_t stream) {
     const int64_t warps = args.R * (args.I / 128);
+    using T = decltype(t);
     const auto blocks = static_cast<unsigned>((warps + kQuantWarps - 1) / kQuantWarps);
-    silu_mul_quant_kernel<decltype(t)><<<blocks, kQuantWarps * 32, 0, stream>>>(args);
+    if (args.x_stride % 4 == 0 && aligned(args.x, 4 * sizeof(T))) {  // I is a multiple of 128
+      silu_mul_quant_kernel<T, true><<<blocks, kQuantWarps * 32, 0, stream>>>(args);
+    } else {
+      silu_mul_quant_kernel<T, false><<<blocks, kQuantWarps * 32, 0, stream>>>(args);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

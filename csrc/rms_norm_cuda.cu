@@ -15,8 +15,9 @@
 // scales quantize_cuda.cu makes from the plain kernel's output, shared through quantize_cuda.cuh);
 // qk_norm_rope_kernel fuses the q/k norms with the rotary embedding (rope_cuda.cuh's arithmetic).
 // Nothing depends on blockIdx beyond the row's address, so a row gets the same bits alone or among
-// thousands. Memory-bound; the second pass over the row mostly hits L1/L2. No host syncs and no
-// allocations besides the output: capturable in a CUDA graph.
+// thousands. At decode sizes (a hundred rows, one block each) a row is bound by memory latency, so each
+// lane issues all its loads before it sums, and rms_norm_quant's second pass reads the row back from
+// shared memory. No host syncs and no allocations besides the output: capturable in a CUDA graph.
 #include <c10/cuda/CUDAException.h>
 
 #include <string>
@@ -31,44 +32,49 @@ namespace {
 
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr int kWarp = 32;
-constexpr int kLoads = 8;  // a lane's columns loaded at once before they are summed, in order
-constexpr int kMaxHeadDim = 512;  // qk_norm_rope: a head's normed values wait in shared memory
-
-// The value the norm reads at column c: x's, or with a residual the rounded sum, stored to total.
-template <typename T, bool kAdd>
-__device__ __forceinline__ float input_at(const T* __restrict__ xr, const T* __restrict__ rr, T* __restrict__ sr,
-                                          int64_t c) {
-  using C = Round<T>;
-  if constexpr (kAdd) {
-    const T sum = C::from_float(__fadd_rn(C::to_float(xr[c]), C::to_float(rr[c])));
-    sr[c] = sum;
-    return C::to_float(sum);
-  } else {
-    return C::to_float(xr[c]);
-  }
-}
+constexpr int kLoads = 32;  // a lane's columns loaded before any is summed (H = 4096: all of its 32)
+constexpr int kQuantBatch = 8;  // rms_norm_quant: the groups a warp loads before it encodes them
+constexpr int kMaxStashBytes = 48 * 1024;  // rms_norm_quant's row in shared memory (H * sizeof(T))
 
 // The row's inv = 1 / sqrt(sum / H + eps), in the order above, computed by the block's 128 lanes and
-// returned to every lane; with kAdd each lane also stores its columns' total. Two barriers.
+// returned to every lane; with kAdd each lane also stores its columns' total, and with a stash each
+// lane also keeps its columns' input values (x's, or the rounded sums) there for the block. Two
+// barriers. A lane issues the loads of kLoads columns before it sums any: a row is bound by latency,
+// not bandwidth, so one round trip to memory instead of one per column. A column past H reads as 0,
+// and acc + 0 * 0 is acc (acc >= 0, or NaN / inf): the sum's bits are those of the lane's columns
+// summed one after another, as 0 + sq(x[t]) is sq(x[t]).
 template <typename T, bool kAdd>
 __device__ __forceinline__ float row_inv_rms(const T* __restrict__ xr, const T* __restrict__ rr, T* __restrict__ sr,
-                                             int64_t H, float eps, float* lanes, float* inv_shared) {
+                                             int64_t H, float eps, float* lanes, float* inv_shared,
+                                             T* __restrict__ stash = nullptr) {
+  using C = Round<T>;
   const int t = threadIdx.x;
-  float v = input_at<T, kAdd>(xr, rr, sr, t);
-  float acc = __fmul_rn(v, v);
-  int64_t c = t + kNormLanes;
-  // kLoads values loaded before they are summed (in the same order): the loads overlap, while one load
-  // at a time would leave a row's dozens of columns waiting on memory one after the other
-  for (; c + (kLoads - 1) * kNormLanes < H; c += kLoads * kNormLanes) {
-    float vals[kLoads];
+  float acc = 0.0f;
+  for (int64_t c0 = t; c0 < H; c0 += kLoads * kNormLanes) {
+    T xs[kLoads], rs[kLoads];
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u) vals[u] = input_at<T, kAdd>(xr, rr, sr, c + u * kNormLanes);
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t c = c0 + u * kNormLanes;
+      if (c < H) {
+        xs[u] = xr[c];
+        if constexpr (kAdd) rs[u] = rr[c];
+      }
+    }
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u) acc = __fadd_rn(acc, __fmul_rn(vals[u], vals[u]));
-  }
-  for (; c < H; c += kNormLanes) {
-    v = input_at<T, kAdd>(xr, rr, sr, c);
-    acc = __fadd_rn(acc, __fmul_rn(v, v));
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t c = c0 + u * kNormLanes;
+      float v = 0.0f;
+      if (c < H) {
+        T in = xs[u];
+        if constexpr (kAdd) {
+          in = C::from_float(__fadd_rn(C::to_float(xs[u]), C::to_float(rs[u])));
+          sr[c] = in;
+        }
+        if (stash != nullptr) stash[c] = in;
+        v = C::to_float(in);
+      }
+      acc = __fadd_rn(acc, __fmul_rn(v, v));
+    }
   }
 
   lanes[t] = acc;
@@ -84,9 +90,11 @@ __device__ __forceinline__ float row_inv_rms(const T* __restrict__ xr, const T* 
       *inv_shared = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
     }
   }
-  __syncthreads();
+  __syncthreads();  // also makes the stash visible to the whole block
   return *inv_shared;
 }
+
+constexpr int kMaxHeadDim = 512;  // qk_norm_rope: a head's normed values wait in shared memory
 
 // The normed value of an input value v (x's, or the rounded sum): y = dtype(float(dtype(v * inv)) * w).
 template <typename T>
@@ -118,38 +126,52 @@ __global__ void __launch_bounds__(kNormLanes)
 }
 
 // The norm fused with the 1x128 quantization of its output (the exact forward's norm before an FP8
-// linear): after row_inv_rms, warp k encodes groups k, k + 4, ... (lane l: columns 4l .. 4l + 3 of
-// the group), each value the normed_value the plain kernel stores and each group encoded as the
-// quantization kernel encodes it (quantize_cuda.cuh). The values are recomputed from the inputs
-// (a rounded sum is the same in every lane), never read back from another lane's stores.
+// linear): row_inv_rms keeps the row's input values (x's, or the rounded sums) in shared memory, then
+// warp k encodes groups k, k + 4, ... (lane l: columns 4l .. 4l + 3 of the group), each value the
+// normed_value the plain kernel stores and each group encoded as the quantization kernel encodes it
+// (quantize_cuda.cuh). A warp loads kQuantBatch groups' values and weights before it encodes any.
 template <typename T, bool kAdd>
 __global__ void __launch_bounds__(kNormLanes) rms_norm_quant_kernel(NormQuantArgs a) {
-  using C = Round<T>;
+  extern __shared__ __align__(16) unsigned char stash_bytes[];
   __shared__ float lanes[kNormLanes];
   __shared__ float inv_shared;
+  constexpr int kWarps = kNormLanes / kWarp;
 
+  T* stash = reinterpret_cast<T*>(stash_bytes);
   const int t = threadIdx.x, lane = t % kWarp, warp = t / kWarp;
   const int64_t row = blockIdx.x;
   const T* xr = static_cast<const T*>(a.x) + row * a.x_stride;
   const T* rr = kAdd ? static_cast<const T*>(a.residual) + row * a.r_stride : nullptr;
   T* sr = kAdd ? static_cast<T*>(a.total) + row * a.H : nullptr;
-  const T* w = static_cast<const T*>(a.w);
+  const T* __restrict__ w = static_cast<const T*>(a.w);
 
-  const float inv = row_inv_rms<T, kAdd>(xr, rr, sr, a.H, a.eps, lanes, &inv_shared);
-#pragma unroll 4
-  for (int64_t g = warp; g < a.H / kNormLanes; g += kNormLanes / kWarp) {
-    const int64_t c0 = g * kNormLanes + 4 * lane;
-    T v[4];
+  const float inv = row_inv_rms<T, kAdd>(xr, rr, sr, a.H, a.eps, lanes, &inv_shared, stash);
+  const int64_t groups = a.H / kNormLanes;
+  for (int64_t g0 = warp; g0 < groups; g0 += kQuantBatch * kWarps) {
+    T in[kQuantBatch][4], wv[kQuantBatch][4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float in = kAdd ? C::to_float(C::from_float(__fadd_rn(C::to_float(xr[c0 + e]), C::to_float(rr[c0 + e]))))
-                            : C::to_float(xr[c0 + e]);
-      v[e] = normed_value<T>(in, inv, w[c0 + e]);
+    for (int b = 0; b < kQuantBatch; ++b) {
+      const int64_t c0 = (g0 + b * kWarps) * kNormLanes + 4 * lane;
+      if (g0 + b * kWarps < groups) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          in[b][e] = stash[c0 + e];
+          wv[b][e] = w[c0 + e];
+        }
+      }
     }
-    float scale_inv;
-    const uint32_t codes = quant::encode_warp_group<T>(v, a.pow2, a.quant_eps, &scale_inv);
-    *reinterpret_cast<uint32_t*>(a.q + row * a.H + c0) = codes;
-    if (lane == 0) a.s[g * a.s_stride + row] = scale_inv;
+#pragma unroll
+    for (int b = 0; b < kQuantBatch; ++b) {
+      const int64_t g = g0 + b * kWarps, c0 = g * kNormLanes + 4 * lane;
+      if (g >= groups) break;  // g is the warp's own: its shuffles see every lane
+      T v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = normed_value<T>(Round<T>::to_float(in[b][e]), inv, wv[b][e]);
+      float scale_inv;
+      const uint32_t codes = quant::encode_warp_group<T>(v, a.pow2, a.quant_eps, &scale_inv);
+      *reinterpret_cast<uint32_t*>(a.q + row * a.H + c0) = codes;
+      if (lane == 0) a.s[g * a.s_stride + row] = scale_inv;
+    }
   }
 }
 
@@ -223,10 +245,15 @@ void rms_norm_quant_cuda(const NormQuantArgs& args, at::ScalarType dtype, const 
   by_dtype_on_stream(x, dtype, "rms_norm_quant", [&](auto t, cudaStream_t stream) {
     using T = decltype(t);
     const auto blocks = static_cast<unsigned>(args.R);
+    const int64_t stash = args.H * static_cast<int64_t>(sizeof(T));
+    TORCH_CHECK(stash <= kMaxStashBytes, "rms_norm_quant: a row of ", std::to_string(args.H), " values of ",
+                std::to_string(sizeof(T)), " bytes is over the kernel's shared-memory row of ",
+                std::to_string(kMaxStashBytes), " bytes");
+    const auto bytes = static_cast<size_t>(stash);
     if (args.residual != nullptr) {
-      rms_norm_quant_kernel<T, true><<<blocks, kNormLanes, 0, stream>>>(args);
+      rms_norm_quant_kernel<T, true><<<blocks, kNormLanes, bytes, stream>>>(args);
     } else {
-      rms_norm_quant_kernel<T, false><<<blocks, kNormLanes, 0, stream>>>(args);
+      rms_norm_quant_kernel<T, false><<<blocks, kNormLanes, bytes, stream>>>(args);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -143,7 +143,7 @@ def _same_quantized(got, want, what: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H", [128, 4096, 5120])
+@pytest.mark.parametrize("H", [128, 4096, 5120, 8192])  # 5120: a lane's second batch of loads partly past H
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("opts", range(len(OPTIONS)))
 def test_rms_norm_quant_equals_the_reference_and_the_two_kernels(dtype, H, residual, opts):
@@ -188,6 +188,12 @@ def test_rms_norm_quant_special_values_strided_rows_and_a_row_alone(dtype):
     assert_same_bits(one[1][:, :], got[1][9:10], f"{dtype} a row alone's scales")
 
 
+def test_rms_norm_quant_refuses_a_row_over_its_shared_memory():
+    x = torch.ones(2, 16384, dtype=torch.float32, device="cuda")  # 64 KiB a row, the kernel keeps 48
+    with pytest.raises(RuntimeError, match="rms_norm_quant: a row of 16384 values of 4 bytes"):
+        rms_norm_quant(x, torch.ones(16384, device="cuda"), 1e-6, **OPTIONS[0])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(4096, 12288), (333, 1536), (1, 128), (5, 6144)])
 @pytest.mark.parametrize("opts", range(len(OPTIONS)))
@@ -218,6 +224,9 @@ def test_silu_mul_quant_special_values_strided_rows_and_a_row_alone(dtype):
     one = silu_mul_quant(rows[40:41], **OPTIONS[0])
     _codes_equal(one[0], got[0][40:41], f"{dtype} a row alone")
     assert_same_bits(one[1], got[1][40:41], f"{dtype} a row alone's scales")
+    shifted = wide[:, 1: 1 + 2 * 1024]  # rows that start one element off: the kernel's one-value loads
+    _same_quantized(silu_mul_quant(shifted, **OPTIONS[0]), silu_mul_quant_reference(shifted, **OPTIONS[0]),
+                    f"{dtype} rows off the 4-value alignment")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
