@@ -39,21 +39,21 @@ constexpr int kMaxStashBytes = 48 * 1024;  // rms_norm_quant's row in shared mem
 // The row's inv = 1 / sqrt(sum / H + eps), in the order above, computed by the block's 128 lanes and
 // returned to every lane; with kAdd each lane also stores its columns' total, and with a stash each
 // lane also keeps its columns' input values (x's, or the rounded sums) there for the block. Two
-// barriers. A lane issues the loads of kLoads columns before it sums any: a row is bound by latency,
+// barriers. A lane issues the loads of kBatch columns before it sums any: a row is bound by latency,
 // not bandwidth, so one round trip to memory instead of one per column. A column past H reads as 0,
 // and acc + 0 * 0 is acc (acc >= 0, or NaN / inf): the sum's bits are those of the lane's columns
 // summed one after another, as 0 + sq(x[t]) is sq(x[t]).
-template <typename T, bool kAdd>
+template <typename T, bool kAdd, int kBatch = kLoads>
 __device__ __forceinline__ float row_inv_rms(const T* __restrict__ xr, const T* __restrict__ rr, T* __restrict__ sr,
                                              int64_t H, float eps, float* lanes, float* inv_shared,
                                              T* __restrict__ stash = nullptr) {
   using C = Round<T>;
   const int t = threadIdx.x;
   float acc = 0.0f;
-  for (int64_t c0 = t; c0 < H; c0 += kLoads * kNormLanes) {
-    T xs[kLoads], rs[kLoads];
+  for (int64_t c0 = t; c0 < H; c0 += kBatch * kNormLanes) {
+    T xs[kBatch], rs[kBatch];
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       const int64_t c = c0 + u * kNormLanes;
       if (c < H) {
         xs[u] = xr[c];
@@ -61,7 +61,7 @@ __device__ __forceinline__ float row_inv_rms(const T* __restrict__ xr, const T* 
       }
     }
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       const int64_t c = c0 + u * kNormLanes;
       float v = 0.0f;
       if (c < H) {
@@ -195,7 +195,9 @@ __global__ void __launch_bounds__(kNormLanes) qk_norm_rope_kernel(QkNormRopeArgs
   const T* w = static_cast<const T*>(is_q ? a.wq : a.wk);
   T* yr = static_cast<T*>(is_q ? a.yq : a.yk) + (token * (is_q ? a.Hq : a.Hk) + hh) * D;
 
-  const float inv = row_inv_rms<T, false>(xr, nullptr, nullptr, D, is_q ? a.eps_q : a.eps_k, lanes, &inv_shared);
+  // a head's few columns a lane in one batch: kLoads' registers would cost the many small blocks occupancy
+  const float inv = row_inv_rms<T, false, kMaxHeadDim / kNormLanes>(xr, nullptr, nullptr, D, is_q ? a.eps_q : a.eps_k,
+                                                                    lanes, &inv_shared);
   for (int64_t c = t; c < D; c += kNormLanes) head[c] = normed_value<T>(C::to_float(xr[c]), inv, w[c]);
   __syncthreads();
   const int64_t position = a.positions[token];
