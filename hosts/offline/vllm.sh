@@ -20,7 +20,8 @@
 # and keep their length), engine-two (two GPUs), rl (the RL loop on vLLM; rl-exact: its
 # exact-mode runs only; rl-exact-kv: those with an FP8 KV cache), actor-close (the actor's close
 # frees its memory), exact (the exact rollout's one-GPU tests; exact-tiny / exact-8b: at the tiny
-# model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs; exact-kv: with an FP8 KV cache;
+# model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs; exact-four: at equal TP 4 and its negative
+# control, four GPUs; exact-grad: the exact update's gradient against the default's; exact-kv: with an FP8 KV cache;
 # exact-guard: the start-up self-check and the per-step guard against a fault put into the engine),
 # te-attention (the native layers' Transformer Engine attention, actor.attention_impl=te; needs
 # --with-te), or a test file.
@@ -101,8 +102,10 @@ for t in $tests; do
     rl-exact) f=tests/gpu/test_rl_loop.py; k="fp8-exact or fp8kv-exact or vllm-exact" ;;
     rl-exact-kv) f=tests/gpu/test_rl_loop.py; k="fp8kv-exact or vllm-exact-kv" ;;
     actor-close) f=tests/gpu/test_actor.py; k="close_frees" ;;
-    exact) f=tests/gpu/test_exact.py; k="not equal_tp_2" ;;
-    exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths and not equal_tp_2" ;;
+    exact) f=tests/gpu/test_exact.py; k="not equal_tp_2 and not tp_4 and not gradient" ;;
+    exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths and not equal_tp_2 and not tp_4 and not gradient" ;;
+    exact-grad) f=tests/gpu/test_exact.py; k="gradient" ;;
+    exact-four) f=tests/gpu/test_exact.py; k="tp_4" ;;
     exact-8b) f=tests/gpu/test_exact.py; k="8b_widths" ;;
     exact-two) f=tests/gpu/test_exact.py; k="equal_tp_2" ;;
     exact-kv) f=tests/gpu/test_exact.py; k="fp8_kv_cache" ;;

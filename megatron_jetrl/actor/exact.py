@@ -22,8 +22,12 @@ ordinary gradient (the backward never has to match anything):
 - ``ExactSwiGLU``: the MLP's activation module (chosen in the layer spec), forward ``ops.exact.silu_mul``
   (the kernel vLLM's SiLU·mul runs: megatron's eager SwiGLU bits), backward megatron's compiled SwiGLU
   gradient (the default mode's).
+- ``ordered_tp_reduce``: above TP 2, the all-reduce (or, under sequence parallelism, the
+  reduce-scatter) of a row-parallel linear's partial outputs, summed in the contract's fixed order
+  (``ops.exact.ordered_sum``, as vLLM's TP all-reduce does in the exact mode); backward the
+  gradient of megatron's mapping (the identity, or an all-gather).
 - The residual adds and the embedding need nothing here: megatron computes them with the same eager
-  ops as vLLM.
+  ops as vLLM (the embedding's TP sum adds one rank's rows to zeros, exact in any order).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import functools
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import swiglu_back
 from megatron.core.tensor_parallel.mappings import (
@@ -39,8 +44,8 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from megatron_jetrl.ops.exact import (KvPages, VllmKernels, kv_pages, paged_kv, query_chunks, rope, rope_inv_freq,
-                                      silu_mul, static_fp8_quant)
+from megatron_jetrl.ops.exact import (KvPages, VllmKernels, kv_pages, ordered_sum, paged_kv, query_chunks, rope,
+                                      rope_inv_freq, silu_mul, static_fp8_quant)
 from megatron_jetrl.precision.exact import ExactUnavailable, fp8_kv_query_chunk
 from megatron_jetrl.ops.rms_norm import rms_norm
 from megatron_jetrl.precision.blockwise import E4M3_MAX
@@ -122,6 +127,11 @@ class ExactSwiGLU(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _ExactSwiGLUFn.apply(x)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """None: the activation holds no state (megatron's MLP asks each of its modules for theirs
+        when a checkpoint is saved or loaded)."""
+        return {}
+
 
 def exact_rope(t_THD: torch.Tensor, positions_T: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary embedding of t [T, H, D] at each token's position with the kernel vLLM's rotary
@@ -171,6 +181,48 @@ def parallel_linear_input(input, *, what: str, gradient_accumulation_fusion: boo
     if allreduce_dgrad:
         return copy_to_tensor_model_parallel_region(input, group=tp_group)
     return input
+
+
+class _OrderedReduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter: bool):
+        ctx.group, ctx.scatter = group, scatter
+        tp, x = dist.get_world_size(group), x.contiguous()
+        if scatter:  # rank r gets rows r of tp equal chunks: block i of the exchange is rank i's partial of them
+            if x.shape[0] % tp:
+                raise ValueError(f"ordered_tp_reduce: {x.shape[0]} rows do not split into {tp} sequence-parallel "
+                                 "chunks")
+            parts = torch.empty_like(x)
+            dist.all_to_all_single(parts, x, group=group)
+            return ordered_sum(parts.view(tp, x.shape[0] // tp, *x.shape[1:]))
+        parts = x.new_empty((tp * x.shape[0], *x.shape[1:]))
+        _all_gather_into(parts, x, group)
+        return ordered_sum(parts.view(tp, *x.shape))
+
+    @staticmethod
+    def backward(ctx, dy):
+        if not ctx.scatter:  # an all-reduce's gradient: every rank's partial output got the whole sum
+            return dy, None, None
+        tp = dist.get_world_size(ctx.group)
+        out = dy.new_empty((tp * dy.shape[0], *dy.shape[1:]))
+        _all_gather_into(out, dy.contiguous(), ctx.group)
+        return out, None, None
+
+
+def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Every rank's ``x`` into ``out`` along the first dim, in rank order (``all_gather_single`` where
+    torch has it, the older name before)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
+def ordered_tp_reduce(x: torch.Tensor, group, *, scatter: bool) -> torch.Tensor:
+    """A row-parallel linear's TP reduction with the exact contract's order (``EXACT_KERNELS["tp_reduce"]``):
+    every rank's partial output gathered and summed in rank order in fp32, rounded once, so that each
+    element gets the bits vLLM's TP all-reduce gives it in the exact mode. ``scatter`` (sequence
+    parallelism): each rank keeps its chunk of the first dim, as megatron's reduce-scatter does.
+    Gradients are those of megatron's mappings."""
+    return _OrderedReduceFn.apply(x, group, scatter)
 
 
 def exact_forward_impl(kernels: VllmKernels, input, weight, bias=None, gradient_accumulation_fusion=False,

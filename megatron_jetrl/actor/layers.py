@@ -30,8 +30,9 @@
 - The exact mode (``precision.exact``, ``actor/exact.py``): the norms become ``ExactRMSNorm``, the
   linears of BF16 layers and the LM head compute their forward GEMM with vLLM's batch-invariant
   matmul, FP8 FProp with the block-FP8 GEMM vLLM runs for the linear, attention with vLLM's
-  FlashAttention over paged K/V, and RoPE with ``ops.exact.rope`` (``actor.exact.exact_rope``); the
-  actor hands the kernels to the modules after construction.
+  FlashAttention over paged K/V, and RoPE with ``ops.exact.rope`` (``actor.exact.exact_rope``); above
+  TP 2 the row-parallel linears reduce their partial outputs in the contract's order
+  (``actor.exact.ordered_tp_reduce``); the actor hands the kernels to the modules after construction.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.nn.attention import varlen
 
 from megatron_jetrl.actor.exact import (ExactRMSNorm, ExactSwiGLU, exact_attention, exact_forward_impl, exact_rope,
-                                        flash_attention_backward, parallel_linear_input, recompute_backward)
+                                        flash_attention_backward, ordered_tp_reduce, parallel_linear_input,
+                                        recompute_backward)
 from megatron_jetrl.ops.exact import VllmKernels
+from megatron_jetrl.precision.exact import ExactUnavailable, ordered_tp_reduction
 from megatron_jetrl.precision import Fp8Quantizer, Fp8Weight, Fp8WeightCache, fp8_block_linear
 from megatron_jetrl.precision.kv_cache import KvAmaxObserver
 from megatron_jetrl.precision.gemm import GemmBackend
@@ -339,7 +342,22 @@ class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
 
 
 class Fp8RowParallelLinear(_Fp8LinearMixin, RowParallelLinear):
-    pass
+    def forward(self, input_):
+        """megatron's forward; in the exact mode above TP 2 its partial outputs are reduced in the exact
+        contract's order (``actor.exact.ordered_tp_reduce``) instead of by NCCL's all-reduce or
+        reduce-scatter, whose order is not vLLM's."""
+        if self.exact_kernels is None or not ordered_tp_reduction(self.tp_group.size()):
+            return super().forward(input_)
+        if not self.input_is_parallel or self.explicit_expert_comm:
+            raise ExactUnavailable("precision.exact: a row-parallel linear with an unsplit input or expert "
+                                   "communication has no ordered TP reduction")
+        output_parallel = self._forward_impl(input=input_, weight=self.weight, bias=None,
+                                             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                                             allreduce_dgrad=False, sequence_parallel=False, tp_group=None)
+        output = ordered_tp_reduce(output_parallel, self.tp_group, scatter=self.sequence_parallel)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
 
 
 class RMSNorm(torch.nn.RMSNorm):

@@ -383,9 +383,8 @@ def _check_exact(job: JobConfig) -> None:
         ("actor.fp8_backend", job.actor.fp8_backend, job.actor.fp8_backend == "native",
          "Transformer Engine's layers compute with TE's kernels, not the engine's: set actor.fp8_backend=native"),
         ("actor.parallel.tp", par.tp, par.tp <= EXACT_MAX_TP,
-         f"the exact rollout runs at TP 1 or 2 (the TP all-reduce of two partial sums is one addition, the same "
-         f"on both sides; more ranks add in orders each side picks for itself): set actor.parallel.tp="
-         f"{EXACT_MAX_TP} or 1"),
+         f"the exact rollout runs at TP up to {EXACT_MAX_TP} (both sides reduce in one order): set "
+         f"actor.parallel.tp={EXACT_MAX_TP} or less"),
         ("actor.parallel.pp", par.pp, par.pp <= EXACT_MAX_PP,
          f"the exact rollout is verified at PP {EXACT_MAX_PP}: set actor.parallel.pp={EXACT_MAX_PP}"),
         *(job.rollout.options.exact_rules(par.tp) if kind.exact else []),

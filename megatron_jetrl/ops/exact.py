@@ -132,6 +132,17 @@ def static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return load_extension().static_fp8_quant(x.contiguous(), scale.float().reshape(-1))
 
 
+def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    """The exact mode's TP reduction (``EXACT_KERNELS["tp_reduce"]``): ``parts`` [tp, ...], every TP
+    rank's partial result in rank order, summed in that order in fp32 and rounded once to their dtype.
+    Elementwise, so an element's bits depend on nothing but its tp partial values; with two parts the
+    bits of one add of the two (torch rounds the fp32 sum)."""
+    acc = parts[0].to(torch.float32, copy=True)
+    for part in parts[1:]:
+        acc.add_(part)
+    return acc.to(parts.dtype)
+
+
 def rope_inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
     """megatron's ``RotaryEmbedding.inv_freq`` (fp32, computed on ``device``)."""
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))

@@ -27,6 +27,9 @@ EXACT_KERNELS = {
     "bf16_gemm": "the engine's batch-invariant BF16 GEMM (Triton persistent matmul, fixed tiles)",
     "lm_head": "the same BF16 GEMM",
     "token_logprob": "the engine sampler's Triton kernel (max and log-sum-exp of the BF16 logits, read once)",
+    "tp_reduce": "above TP 2, the partial sums of a row-parallel linear gathered from every TP rank and added "
+                 "in rank order in fp32, rounded once (ops.exact.ordered_sum); at TP 2 each side's all-reduce, "
+                 "whose sum of two is one rounded addition",
 }
 """Every op of a dense decoder's forward, in order, and the kernel it runs on both sides."""
 
@@ -49,10 +52,20 @@ cache both kernels take 128-key blocks.) With an FP8 KV cache the exact mode kee
 first kernel: the engine schedules at most ``fp8_kv_query_chunk`` new tokens of a request per step
 and the trainer attends in chunks of that many queries."""
 
-EXACT_MAX_TP = 2
-"""The largest tensor parallelism an exact rollout runs at (equal on both sides): the TP
-all-reduce of two partial sums is one addition, the same on both sides; more ranks add in orders
-each side picks for itself."""
+EXACT_MAX_TP = 8
+"""The largest tensor parallelism an exact rollout runs at (equal on both sides): the row-parallel
+sums are reduced in one order on both sides (``EXACT_KERNELS["tp_reduce"]``)."""
+
+ORDERED_REDUCTION_ABOVE_TP = 2
+"""Above this TP both sides reduce row-parallel partial sums with ``tp_reduce``'s fixed order: a
+sum of two partial results is one rounded addition, the same bits whichever rank adds, but more
+ranks add in orders each side's all-reduce picks for itself (ring, tree, one-shot)."""
+
+
+def ordered_tp_reduction(tp: int) -> bool:
+    """Whether the exact mode replaces the TP all-reduce of row-parallel outputs at this TP."""
+    return tp > ORDERED_REDUCTION_ABOVE_TP
+
 
 EXACT_MAX_PP = 1
 """Pipeline parallelism the exact rollout is verified at."""

@@ -24,6 +24,11 @@ How:
   attention calls that same kernel. vLLM schedules at most ``precision.exact.fp8_kv_query_chunk`` new
   tokens of a request per step, which keeps FlashAttention's FP8 kernel on one tile shape
   (``precision.exact.FP8_KV_QUERY_ROWS``); the trainer attends in chunks of as many queries.
+- Above TP 2, the TP group's all-reduce (every row-parallel output, the embedding) gathers the
+  ranks' partial results and sums them in rank order (``ops.exact.ordered_sum``, as the trainer's
+  ``actor.exact.ordered_tp_reduce`` does), in place of vLLM's custom / NCCL all-reduce, whose order
+  differs; ``llm_kwargs`` turns off the compile passes that would rewrite the all-reduce (sequence
+  parallelism, async TP, the fused all-reduce + norm).
 - ``check_engine``: after vLLM built the model, every norm, activation and rotary module must be
   one of the replacements, every block-FP8 linear must run the GEMM the trainer's FProp calls for
   its shape, and every attention layer must run FlashAttention of the trainer's version (with an
@@ -38,8 +43,8 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron_jetrl.ops.exact import custom_ops, rope_inv_freq, vllm_kernels
-from megatron_jetrl.precision.exact import KV_PAGE, fp8_kv_query_chunk
+from megatron_jetrl.ops.exact import custom_ops, ordered_sum, rope_inv_freq, vllm_kernels
+from megatron_jetrl.precision.exact import KV_PAGE, fp8_kv_query_chunk, ordered_tp_reduction
 
 _REPLACED = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
 
@@ -117,6 +122,7 @@ def install() -> None:
 
         forward_cuda = forward_native
 
+    _install_ordered_all_reduce()
     RMSNorm.register_oot(ExactRMSNorm)
     SiluAndMul.register_oot(ExactSiluAndMul)
     RotaryEmbedding.register_oot(ExactRotaryEmbedding)
@@ -139,8 +145,44 @@ def _forget_rotary_embeddings() -> None:
     cache.clear()
 
 
+def _install_ordered_all_reduce() -> None:
+    """Make the TP group's all-reduce (``GroupCoordinator._all_reduce_out_place``, behind vLLM's
+    ``all_reduce`` custom op, which its compiled graph calls) reduce in the exact order above TP 2:
+    an all-gather of the ranks' partial results (vLLM's own, capturable in CUDA graphs), then
+    ``ordered_sum``. Other groups and TP 2 keep vLLM's all-reduce."""
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    if getattr(GroupCoordinator._all_reduce_out_place, "jetrl_exact", False):
+        return
+    original = GroupCoordinator._all_reduce_out_place
+
+    def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
+        if not (self.unique_name.startswith("tp:") and ordered_tp_reduction(self.world_size)):
+            return original(self, input_)
+        return ordered_sum(self.device_communicator.all_gather(input_.unsqueeze(0), 0))
+
+    _all_reduce_out_place.jetrl_exact = True
+    _all_reduce_out_place.jetrl_original = original
+    GroupCoordinator._all_reduce_out_place = _all_reduce_out_place
+
+
+def _uninstall_ordered_all_reduce() -> None:
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    original = getattr(GroupCoordinator._all_reduce_out_place, "jetrl_original", None)
+    if original is not None:
+        GroupCoordinator._all_reduce_out_place = original
+
+
+REWRITING_PASSES = ("enable_sp", "fuse_gemm_comms", "fuse_allreduce_rms")
+"""vLLM compile passes that replace its TP all-reduce with other collectives or kernels (sequence
+parallelism, async TP, FlashInfer's all-reduce + norm): off in an exact engine above TP 2 (the ones
+this vLLM's ``PassConfig`` has)."""
+
+
 def uninstall() -> None:
     """Undo ``install`` for modules built afterwards (tests; one engine per process otherwise)."""
+    _uninstall_ordered_all_reduce()
     registry = _registry()
     if any(getattr(registry.get(name), "jetrl_exact", False) for name in _REPLACED):
         for name in _REPLACED:
@@ -161,10 +203,42 @@ def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str
         compilation["inductor_compile_config"] = {**compilation.get("inductor_compile_config", {}),
                                                   "post_grad_custom_post_pass": fusion_pass()}
         out["compilation_config"] = compilation
+    if ordered_tp_reduction(int(kwargs.get("tensor_parallel_size", 1))):  # the all-reduce stays one, the ordered one
+        compilation = dict(out.get("compilation_config") or {})
+        compilation["pass_config"] = {**compilation.get("pass_config", {}),
+                                      **{name: False for name in _pass_config_fields() if name in REWRITING_PASSES}}
+        out["compilation_config"] = compilation
     if str(kwargs.get("kv_cache_dtype", "auto")).startswith("fp8"):
         heads = hf_config["num_attention_heads"]
         out["long_prefill_token_threshold"] = fp8_kv_query_chunk(heads, hf_config.get("num_key_value_heads", heads))
     return out
+
+
+def _pass_config_fields() -> tuple[str, ...]:
+    """The option names of this vLLM's compile ``PassConfig``."""
+    import dataclasses
+
+    from vllm.config.compilation import PassConfig
+
+    return tuple(f.name for f in dataclasses.fields(PassConfig))
+
+
+def reduction_problems(worker: Any) -> list[str]:
+    """What keeps the worker's TP all-reduce from the exact order (empty at TP 2 or less): the
+    ordered all-reduce not installed, or a compile pass left on that rewrites the all-reduce."""
+    from vllm.distributed.parallel_state import GroupCoordinator, get_tp_group
+
+    tp = get_tp_group().world_size
+    if not ordered_tp_reduction(tp):
+        return []
+    wrong = []
+    if not getattr(GroupCoordinator._all_reduce_out_place, "jetrl_exact", False):
+        wrong.append(f"TP {tp}: vLLM's all-reduce is not the ordered one (rollout.vllm_exact.install was not called)")
+    passes = worker.vllm_config.compilation_config.pass_config
+    on = [name for name in REWRITING_PASSES if getattr(passes, name, False)]
+    if on:
+        wrong.append(f"TP {tp}: compile passes {', '.join(on)} rewrite the all-reduce")
+    return wrong
 
 
 def check_engine(worker: Any) -> dict[str, int]:
@@ -175,6 +249,7 @@ def check_engine(worker: Any) -> dict[str, int]:
         raise RuntimeError("precision.exact: vLLM runs its V1 model runner, whose logprob kernel is not the one the "
                            "trainer calls; export VLLM_USE_V2_MODEL_RUNNER=1 (jetrl train sets it)")
     counts, wrong = replaced_modules(worker.get_model())
+    wrong += reduction_problems(worker)
     kernels = vllm_kernels()
     for name, module in counts.pop("fp8_linear_modules"):  # the block-FP8 GEMM the trainer's FProp will call
         kernel = type(module.quant_method.fp8_linear).__name__

@@ -159,3 +159,80 @@ def test_an_exact_fp8_engine_compiles_with_the_fusion_pass(tmp_path):
     assert configs[0].compilation_config.compute_hash() == configs[1].compilation_config.compute_hash()
     bf16 = cpu_vllm_config(model_dir, PrecisionRecipe(mode=PrecisionMode.BF16, exact=True))
     assert "post_grad_custom_post_pass" not in bf16.compilation_config.inductor_compile_config  # no quantization
+
+
+# -- above TP 2: vLLM's TP all-reduce in the exact order -----------------------------------------------
+
+TP4 = 4
+
+
+def _tp4_partials() -> torch.Tensor:
+    """[4, 6, 256] BF16 partial results of very different magnitudes (as in tests/dist/test_ordered_tp_reduce.py)."""
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(TP4, 6, 256, generator=g) * torch.tensor([1.0, 300.0, 0.01, 37.0]).view(TP4, 1, 1)).to(
+        torch.bfloat16)
+
+
+def _tp4_worker(rank, tmp, results):
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from tests.contract.vllm_cpu import init_vllm_distributed
+
+        init_vllm_distributed(tmp / "tp4-store", world_size=TP4, rank=rank, tp=TP4)
+        group, parts = get_tp_group(), _tp4_partials()
+        before = group.all_reduce(parts[rank].clone())  # vLLM's own all-reduce
+        vllm_exact.install()
+        try:
+            assert group.unique_name.startswith("tp:") and type(group)._all_reduce_out_place.jetrl_exact
+            exact = group.all_reduce(parts[rank].clone())
+        finally:
+            vllm_exact.uninstall()
+        after = group.all_reduce(parts[rank].clone())
+        results.put((rank, [t.view(torch.int16).tolist() for t in (before, exact, after)], None))
+    except BaseException as e:  # reported to the test
+        import traceback
+
+        results.put((rank, None, f"{e!r}\n{traceback.format_exc()}"))
+
+
+def test_above_tp_2_the_exact_all_reduce_sums_the_ranks_in_order(tmp_path):
+    """At TP 4 with the replacements installed, vLLM's TP all-reduce (what its row-parallel linears and
+    embedding call) gives every rank the ordered fp32 sum of the partial results (``ops.exact.ordered_sum``,
+    the trainer's ``ordered_tp_reduce``); uninstalled, vLLM's own all-reduce is back. Negative controls:
+    vLLM's own all-reduce, and a BF16 sum rounded at every step, give other bits for these partials."""
+    import torch.multiprocessing as mp
+
+    from megatron_jetrl.ops.exact import ordered_sum
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_tp4_worker, args=(r, tmp_path, results)) for r in range(TP4)]
+    for p in procs:
+        p.start()
+    got = dict((rank, (out, err)) for rank, out, err in (results.get(timeout=600) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert all(err is None for _, err in got.values()), "\n".join(err for _, err in got.values() if err)
+    parts = _tp4_partials()
+    want = ordered_sum(parts)
+    stepwise = parts[0]
+    for part in parts[1:]:
+        stepwise = stepwise + part
+    assert not torch.equal(want, stepwise)
+    for rank, (out, _) in got.items():
+        before, exact, after = (torch.tensor(t, dtype=torch.int16).view(torch.bfloat16) for t in out)
+        assert torch.equal(exact, want), f"rank {rank}: the exact all-reduce is not the rank-order fp32 sum"
+        assert torch.equal(before, after), f"rank {rank}: uninstall did not bring vLLM's all-reduce back"
+        assert not torch.equal(before, want), f"rank {rank}: vLLM's own all-reduce (gloo's here) gave the ordered " \
+                                              "sum's bits: the negative control sees no difference"
+
+
+def test_an_exact_engine_above_tp_2_turns_off_the_passes_that_rewrite_the_all_reduce():
+    hf = {"num_attention_heads": 32, "num_key_value_heads": 8}
+    four = vllm_exact.llm_kwargs({"tensor_parallel_size": 4}, hf)
+    passes = four["compilation_config"]["pass_config"]
+    assert passes and all(passes[name] is False for name in passes), passes
+    assert set(passes) <= set(vllm_exact.REWRITING_PASSES) and "fuse_allreduce_rms" in passes
+    two = vllm_exact.llm_kwargs({"tensor_parallel_size": 2}, hf)
+    assert "pass_config" not in two.get("compilation_config", {})

@@ -1,7 +1,7 @@
 """The exact rollout (``precision.exact``) inside real vLLM on a GPU, run under torchrun by
 tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
 
-    torchrun --nproc-per-node 1 tests/gpu/exact_worker.py --root DIR --scenarios NAME   (2 for *_tp2)
+    torchrun --nproc-per-node 1 tests/gpu/exact_worker.py --root DIR --scenarios NAME   (2 for *_tp2, 4 for *_tp4)
 
 - exact_<mode> (bf16, fp8): the tiny Qwen3 (4 layers, random weights sharpened by three supervised
   steps), vLLM with torch.compile and CUDA graphs as a job runs it. vLLM samples (temperature 1) for
@@ -15,6 +15,9 @@ tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
   the trainer's exact attention's too: first measured on a batch, then by each round's update.
 - exact_fp8_tp2 / exact_bf16_tp2 / exact_fp8_8b6_tp2: the same at trainer TP 2 (sequence parallel)
   = rollout TP 2, two GPUs, one engine over both ranks; each rank's logprobs equal vLLM's.
+- exact_fp8_tp4 / exact_bf16_tp4 / exact_fp8_8b6_tp4 / exact_bf16_8b6_tp4: at trainer TP 4 (sequence
+  parallel) = rollout TP 4, four GPUs: the row-parallel outputs reduced in the contract's order on
+  both sides; unordered_fp8_8b6_tp4, the negative control: the same with each side's own reduction.
 - exact_fallback: an engine whose norm / activation / rotary replacements were not installed (as
   if vLLM ignored them) must refuse to start, naming the modules; an actor whose modules are not
   all exact must refuse too.
@@ -198,6 +201,35 @@ class Scenarios(VllmScenarios):
 
         self._exact("exact_fp8_8b6_tp2", "fp8", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
                     memory=0.25, tp=2)
+
+    def exact_fp8_tp4(self):
+        self._exact("exact_fp8_tp4", "fp8", tp=4)
+
+    def exact_bf16_tp4(self):
+        self._exact("exact_bf16_tp4", "bf16", tp=4)
+
+    def exact_fp8_8b6_tp4(self):
+        from benchmarks.model_shapes import qwen3_8b_shaped
+
+        self._exact("exact_fp8_8b6_tp4", "fp8", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
+                    memory=0.25, tp=4)
+
+    def exact_bf16_8b6_tp4(self):
+        from benchmarks.model_shapes import qwen3_8b_shaped
+
+        self._exact("exact_bf16_8b6_tp4", "bf16", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
+                    memory=0.25, tp=4)
+
+    def unordered_fp8_8b6_tp4(self):
+        """The negative control of the TP 4 scenarios: exact_fp8_8b6_tp4 with the ordered reduction off on
+        both sides (NCCL's reduce-scatter in the trainer, vLLM's own all-reduce in the engine). The test
+        expects unequal tokens."""
+        from benchmarks.model_shapes import qwen3_8b_shaped
+        from megatron_jetrl.precision import exact as contract
+
+        contract.ORDERED_REDUCTION_ABOVE_TP = 8  # ordered_tp_reduction(4) is False on both sides
+        self._exact("unordered_fp8_8b6_tp4", "fp8", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
+                    memory=0.25, tp=4)
 
     def _gradients(self, name: str, mode: str, exact: bool) -> None:
         """One update's gradients (no optimizer step) of 2 layers at Qwen3-8B widths, megatron's

@@ -3,8 +3,9 @@ one torchrun launch per engine): the logprob vLLM reports for every sampled toke
 trainer's, bit for bit (``torch.equal``, max |Δlogp| = 0, k3 = 0), in BF16 and unified FP8, for one
 prompt alone and 256 sequences at once, with torch.compile and CUDA graphs as a job runs the
 engine, after a sync and after optimizer steps; the update's own forward gives the same values;
-at the tiny model's widths and at Qwen3-8B's (6 layers), at TP 1 and at equal TP 2, with a BF16
-and an FP8 KV cache; and neither side starts with a module left on a non-exact kernel.
+at the tiny model's widths and at Qwen3-8B's (6 layers), at TP 1 and at equal TP 2 and 4 (with a
+negative control), with a BF16 and an FP8 KV cache; and neither side starts with a module left on a
+non-exact kernel.
 
 Skipped (with the reason) where vLLM is not installed; with ``JETRL_REQUIRE_VLLM=1`` (set by
 hosts/offline/vllm.sh) a missing vLLM fails instead.
@@ -87,6 +88,29 @@ def test_exact_at_equal_tp_2(tmp_path_factory, scenario):
     r = _run(tmp_path_factory, scenario, nproc=2)
     _exact(r)
     assert r["tp"] == 2 and r["ranks_alike"], r
+
+
+@pytest.mark.parametrize("scenario", ["exact_fp8_tp4", "exact_bf16_tp4", "exact_fp8_8b6_tp4", "exact_bf16_8b6_tp4"])
+def test_exact_at_equal_tp_4(tmp_path_factory, scenario):
+    """Trainer TP 4 (sequence parallel) = rollout TP 4 on four GPUs: both sides reduce the row-parallel
+    outputs in the contract's order (``ops.exact.ordered_sum``); the same equalities on every rank."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip(f"equal TP 4 needs 4 GPUs; this host has {torch.cuda.device_count()}")
+    r = _run(tmp_path_factory, scenario, nproc=4)
+    _exact(r)
+    assert r["tp"] == 4 and r["ranks_alike"], r
+
+
+def test_at_tp_4_each_sides_own_reduction_is_not_exact(tmp_path_factory):
+    """The negative control of ``test_exact_at_equal_tp_4``: with the ordered reduction off on both
+    sides (NCCL's reduce-scatter in the trainer, vLLM's all-reduce in the engine) tokens differ."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip(f"TP 4 needs 4 GPUs; this host has {torch.cuda.device_count()}")
+    r = _run(tmp_path_factory, "unordered_fp8_8b6_tp4", nproc=4)
+    print(json.dumps(r, indent=1))
+    unequal = sum(r[case][side]["unequal"] for case in ("batch256", "after_steps")
+                  for side in ("recompute", "update_forward"))
+    assert unequal > 0, r
 
 
 def test_no_side_starts_with_a_non_exact_kernel(tmp_path_factory):

@@ -255,7 +255,7 @@ def test_an_exact_job_loads_and_round_trips():
     ("actor.fp8_backend=te", "actor.fp8_backend"),
     ("actor.fp8_backend=te precision.mode=bf16", "actor.fp8_backend"),  # TE's layers in BF16 too
     ("actor.attention_impl=te", "actor.attention_impl"),
-    ("actor.parallel.tp=4 rollout.vllm.tensor_parallel_size=4", "actor.parallel.tp"),
+    ("actor.parallel.tp=16 rollout.vllm.tensor_parallel_size=16", "actor.parallel.tp"),
     ("actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size"),
     ("rollout.vllm.tensor_parallel_size=2", "rollout.vllm.tensor_parallel_size"),
     ("actor.parallel.pp=2", "actor.parallel.pp"),
@@ -280,10 +280,11 @@ def test_every_block_fp8_gemm_is_an_exact_layout(gemm):
     assert job.rollout.vllm.fp8_gemm_kernel == ("cutlass" if gemm == "cutlass" else "deep_gemm")
 
 
-def test_equal_tp_2_and_an_fp8_kv_cache_are_exact_layouts():
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_equal_tp_up_to_8_and_an_fp8_kv_cache_are_exact_layouts(tp):
     job = load_job("examples/configs/tiny_countdown.yaml",
-                   [*EXACT, "actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size=2"])
-    assert job.actor.parallel.tp == job.rollout.vllm.tensor_parallel_size == 2
+                   [*EXACT, f"actor.parallel.tp={tp}", f"rollout.vllm.tensor_parallel_size={tp}"])
+    assert job.actor.parallel.tp == job.rollout.vllm.tensor_parallel_size == tp
     fp8_kv = load_job("examples/configs/tiny_countdown.yaml", [*EXACT, "rollout.vllm.kv_cache_dtype=fp8"])
     assert fp8_kv.rollout.fp8_kv_cache
 
