@@ -6,6 +6,7 @@
 #   bash hosts/offline/lanes.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
 #   bash hosts/offline/lanes.sh run 2 "--tests exact-tiny"   # one more run on GPU 2, in the background
 #   bash hosts/offline/lanes.sh run 0,1 "--tests exact-two"  # ... or on GPUs 0 and 1 (wait waits for it)
+#   bash hosts/offline/lanes.sh after 0 1 "--step"           # on GPU 1 once extra run 0 has ended
 #
 # First all GPUs together (ALL_ARGS; default with 2 or more GPUs: trainer TP=2 into vLLM at rollout
 # TP 2 and 1, tests/gpu/test_vllm_engine.py -k two_gpus, and the 8B sync at those layouts). Then one
@@ -83,6 +84,14 @@ case "${1:-}" in
       >/dev/null 2>&1 </dev/null &
     echo "extra run $n on GPU $2: $3"
     ;;
+  after)  # lanes.sh after N GPUS "ARGS": one more run on GPUS once extra run N has ended (waits in the background)
+    [ -f $lanes/plan.sh ] || { echo "start the lanes first"; exit 1; }
+    pending=$lanes/pending.$$.$RANDOM
+    echo "after extra $2: GPU $3: $4" >"$pending"
+    setsid nohup bash -c "cd '$PWD' && while ! grep -qs '^lane rc=' $lanes/extra$2.log; do sleep 5; done; \
+      bash hosts/offline/lanes.sh run $3 '$4' && rm -f $pending" >/dev/null 2>&1 </dev/null &
+    echo "queued after extra run $2 on GPU $3: $4"
+    ;;
   wait)
     # no plan: this machine never started the lanes (the one that did went back 30 s after its last call)
     [ -f $lanes/plan.sh ] || { echo "no lanes on this machine ($lanes/plan.sh is missing): the machine that ran" \
@@ -90,6 +99,7 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-560} ))
     running() {  # the planned lanes, or an extra run, not finished
       [ -f $lanes/done ] || return 0
+      ls $lanes/pending.* >/dev/null 2>&1 && return 0
       for f in $lanes/extra*.log; do [ -f "$f" ] && ! grep -q "^lane rc=" "$f" && return 0; done
       return 1
     }
@@ -103,5 +113,5 @@ case "${1:-}" in
       -C "$(dirname $lanes)" "$(basename $lanes)" 2>/dev/null
     true
     ;;
-  *) echo "usage: lanes.sh start | wait SECONDS | run GPUS ARGS"; exit 2 ;;
+  *) echo "usage: lanes.sh start | wait SECONDS | run GPUS ARGS | after N GPUS ARGS"; exit 2 ;;
 esac

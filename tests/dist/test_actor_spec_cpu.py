@@ -261,3 +261,27 @@ def test_the_exact_spec_mlp_runs_its_swiglu_module(megatron_cpu):
     (dx,) = torch.autograd.grad(out, x, dy)
     (dxr,) = torch.autograd.grad(want, xr, dy)
     assert ((dx.float() - dxr.float()).norm() / dxr.float().norm()).item() < 2e-2
+
+
+def test_an_exact_model_has_the_default_models_checkpoint_keys(megatron_cpu):
+    """The exact layer spec's modules take part in megatron's sharded checkpoint like the default
+    spec's (the MLP asks its activation module for its state: ExactSwiGLU has none), with the same
+    keys and shapes, so an exact job loads and saves the default mode's checkpoints."""
+    from megatron_jetrl.actor import ActorSettings
+    from megatron_jetrl.actor.build import layer_spec, transformer_config
+    from megatron_jetrl.models import bridge_for
+    from megatron_jetrl.precision import PrecisionRecipe
+    from tests.model_fixtures import tiny_hf_model
+    from megatron.core.models.gpt import GPTModel
+
+    bridge = bridge_for(tiny_hf_model("Qwen3ForCausalLM", num_layers=2).config.to_dict())
+    shapes = []
+    for exact in (False, True):
+        settings = ActorSettings(precision=PrecisionRecipe(mode="fp8", exact=exact))
+        config = transformer_config(bridge, settings)
+        config.use_cpu_initialization = True
+        model = GPTModel(config=config, transformer_layer_spec=layer_spec(bridge, settings, config),
+                         **bridge.gpt_model_kwargs(settings.parallel))
+        state = model.sharded_state_dict()
+        shapes.append({k: tuple(v.global_shape) for k, v in state.items() if hasattr(v, "global_shape")})
+    assert shapes[0] and shapes[1] == shapes[0]
