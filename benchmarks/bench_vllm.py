@@ -383,20 +383,23 @@ def _common(args) -> list[str]:
 # ------------------------------------------------------------------------------------------ RL step
 
 
-STEP_MODES = {  # name -> jetrl train overrides
-    "fp8": ["precision.mode=fp8"],
-    "bf16": ["precision.mode=bf16"],
+STEP_MODES = {  # name -> jetrl train overrides; the default engine's modes opt out of the exact rollout (auto)
+    "fp8": ["precision.mode=fp8", "precision.exact=false"],
+    "bf16": ["precision.mode=bf16", "precision.exact=false"],
     "mixed": ["precision.mode=bf16-train+fp8-rollout"],  # the off-policy recipe, for its mismatch
-    "fp8-vq": ["precision.mode=fp8", "rollout.vllm.activation_quant=vllm"],  # vLLM's own quantization
-    "fp8kv": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8"],  # + the FP8 KV cache, trainer's scales
+    "fp8-vq": ["precision.mode=fp8", "precision.exact=false",
+               "rollout.vllm.activation_quant=vllm"],  # vLLM's own quantization
+    "fp8kv": ["precision.mode=fp8", "precision.exact=false",
+              "rollout.vllm.kv_cache_dtype=fp8"],  # + the FP8 KV cache, trainer's scales
     "fp8-exact": ["precision.mode=fp8", "precision.exact=true"],  # exact rollout: no recompute pass
     "fp8kv-exact": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8", "precision.exact=true"],
-    "fp8kv-tri": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8",  # vLLM's Triton attention (table only)
-                  "rollout.vllm.attention_backend=triton_attn"],
+    "fp8kv-tri": ["precision.mode=fp8", "precision.exact=false", "rollout.vllm.kv_cache_dtype=fp8",
+                  "rollout.vllm.attention_backend=triton_attn"],  # vLLM's Triton attention (table only)
     # the trainer attending with Transformer Engine's cuDNN kernels (table only; vllm.sh --with-te)
-    "bf16-ta": ["precision.mode=bf16", "actor.attention_impl=te"],
-    "fp8-ta": ["precision.mode=fp8", "actor.attention_impl=te"],
-    "fp8kv-ta": ["precision.mode=fp8", "rollout.vllm.kv_cache_dtype=fp8", "actor.attention_impl=te"],
+    "bf16-ta": ["precision.mode=bf16", "precision.exact=false", "actor.attention_impl=te"],
+    "fp8-ta": ["precision.mode=fp8", "precision.exact=false", "actor.attention_impl=te"],
+    "fp8kv-ta": ["precision.mode=fp8", "precision.exact=false", "rollout.vllm.kv_cache_dtype=fp8",
+                 "actor.attention_impl=te"],
 }
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The Qwen3-8B job at full size with vLLM rollout on every GPU of a 4- or 8-GPU host, in one call.
 # Qwen3-8B at real shapes (36 layers, vocab 151936, random weights; benchmarks/configs/qwen3_8b_dims.yaml
-# with all its layers), `jetrl train` under torchrun: FP8 (unified) and BF16 for $STEPS steps each, $ROUNDS times;
+# with all its layers), `jetrl train` under torchrun: FP8 (unified; exact where the layout allows it, as
+# precision.exact=auto decides: trainer TP = rollout TP) and BF16 (the default rollout, with its
+# recompute) for $STEPS steps each, $ROUNDS times;
 # then a SIGUSR1 -> checkpoint -> resume of the FP8 job on its own directory; `jetrl check`'s memory
 # plan for the same layout beside the measured peak per GPU; the table last.
 #
@@ -9,7 +11,7 @@
 #   third carrying [".vllm_p3", ".whl"]:  bash hosts/offline/rl_8b_full.sh start
 #   then, back to back until it says ALL DONE:   bash hosts/offline/rl_8b_full.sh wait 560
 #   (the whole run takes longer than one call; it runs on in the background while the machine is held)
-#   TP (trainer, default 4), RTP (vLLM, default 2), STEPS (default 5) override the layout. ROUNDS
+#   TP (trainer, default 4), RTP (vLLM, default TP: the exact rollout's layout), STEPS (default 5) override the layout. ROUNDS
 #   (default 2): how many times both modes run, fp8 then bf16, then bf16 then fp8, ... (at this layout
 #   two runs of one mode differed by about 20 % in step time, more than the modes differ; the headline
 #   pools the rounds). LIMIT: seconds each training run may take (default 540; a fresh host's first FP8
@@ -49,7 +51,7 @@ JETRL_VLLM_OUT=$out/setup bash hosts/offline/vllm.sh || exit 1  # installs vLLM,
 export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-$PWD} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
-tp=${TP:-4} rtp=${RTP:-2} steps=${STEPS:-5} preempt=${PREEMPT:-1} limit=${LIMIT:-540} rounds=${ROUNDS:-2}
+tp=${TP:-4} rtp=${RTP:-$tp} steps=${STEPS:-5} preempt=${PREEMPT:-1} limit=${LIMIT:-540} rounds=${ROUNDS:-2}
 extra=(${ARGS:-})
 command="TP=$tp RTP=$rtp STEPS=$steps ROUNDS=$rounds LIMIT=$limit PREEMPT=$preempt ARGS='${ARGS:-}' bash hosts/offline/rl_8b_full.sh"
 [ "$gpus" -ge 4 ] || { echo "vllm_8b_multi.sh is for 4 or 8 GPUs; this host has $gpus"; exit 1; }
@@ -81,7 +83,8 @@ for round in $(seq 1 "$rounds"); do
   suffix=""; [ "$round" = 1 ] || suffix=".r$round"
   for mode in $order; do
     pairs+=("$runs/$mode$suffix")
-    train "$mode$suffix" "$limit" precision.mode="$mode" run.steps="$steps" run.save_at_end=false \
+    exact=(); [ "$mode" = bf16 ] && exact=(precision.exact=false)  # BF16 with its recompute, FP8 exact (auto)
+    train "$mode$suffix" "$limit" precision.mode="$mode" "${exact[@]}" run.steps="$steps" run.save_at_end=false \
       || { rc_all=1; grep -E "Error|error:|Traceback" "$out/$mode$suffix.log" | grep -v -i warn | head -8; }
   done
 done

@@ -257,6 +257,8 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as plain data; ``load_job`` of it gives this config back."""
         out = to_plain(self)
+        if self.precision.exact_auto is not None:
+            out["precision"]["exact"] = EXACT_AUTO
         out["actor"].pop("precision")
         for name in _JOB_SET_SAMPLING:
             out["rollout"]["sampling"].pop(name)
@@ -323,7 +325,43 @@ def load_job(path: str | Path | None, overrides: Sequence[str] = (), *, raw: Map
     for name, owner in _JOB_SET_SAMPLING.items():
         if name in sampling_raw:
             raise ConfigError(f"rollout.sampling.{name}", sampling_raw[name], f"is set by the job from {owner}")
-    precision = build(PrecisionRecipe, data.get("precision"), "precision")
+    precision_raw = _section(data, "precision")
+    requested = precision_raw.get("exact", EXACT_AUTO)
+    if requested not in (True, False, EXACT_AUTO):
+        raise ConfigError("precision.exact", requested, f"must be true, false or {EXACT_AUTO}")
+    if requested != EXACT_AUTO:
+        return _built_job(data, actor_raw, rollout_raw, precision_raw)
+    try:  # auto: exact wherever the job can be (every rule of precision.exact holds), else the default rollout
+        job = _built_job(data, actor_raw, rollout_raw, {**precision_raw, "exact": True})
+        _check_exact_model_if_known(job)
+        why_not = ""
+    except ConfigError as e:  # a problem of the exact rollout's: the same job without it is valid (else it raises)
+        job = _built_job(data, actor_raw, rollout_raw, {**precision_raw, "exact": False})
+        fix = e.allowed.removeprefix("precision.exact: ")
+        why_not = fix if e.key == "precision.exact" else f"{e.key}={e.got}: {fix}"
+    precision = job.precision.chosen_automatically(why_not)
+    return dataclasses.replace(job, precision=precision, actor=dataclasses.replace(job.actor, precision=precision))
+
+
+EXACT_AUTO = "auto"
+"""``precision.exact``'s default in a job: the exact rollout wherever the job's engine and layout allow
+it (``_check_exact``, the model's shape where its config can be read), else the default rollout, the
+reason on the precision line of ``jetrl check`` and of the start."""
+
+
+def _check_exact_model_if_known(job: "JobConfig") -> None:
+    """The model side of an exact job where the model's config can be read now (not before a
+    download: ``resolve`` checks it then)."""
+    try:
+        bridge = bridge_for(job.model.hf_config_dict())
+    except (ConfigError, OSError, ValueError, KeyError):
+        return
+    check_exact_model(bridge)
+
+
+def _built_job(data: Mapping[str, Any], actor_raw: Mapping[str, Any], rollout_raw: Mapping[str, Any],
+               precision_raw: Mapping[str, Any]) -> "JobConfig":
+    precision = build(PrecisionRecipe, precision_raw, "precision")
     algo = build(AlgoSettings, data.get("algo"), "algo")
     job = JobConfig(
         run=build(RunSettings, data.get("run"), "run") if "run" in data else _missing("run"),
@@ -517,7 +555,8 @@ class Resolved:
         """The precision line's note on an exact rollout: with an FP8 KV cache the engine prefills a
         prompt a few tokens a step (``precision.exact.FP8_KV_QUERY_ROWS``), which a user should know."""
         if not job.precision.exact:
-            return ""
+            why_not = job.precision.exact_auto
+            return f", not exact (precision.exact=auto: {why_not})" if why_not else ""
         status = engine_kind(job.rollout).exact_status()
         if not job.rollout.fp8_kv_cache:
             return f", exact rollout ({status})"

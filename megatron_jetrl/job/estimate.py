@@ -16,6 +16,11 @@ embedding and/or LM head it holds / TP):
                         only each layer's input (hidden x 2 bytes, / TP with SP) plus one layer's full
                         set. Pipeline stage 0 holds up to PP micro-batches in flight (1F1B). Plus the
                         logits of one micro-batch: tokens x padded vocab / TP x 8 bytes
+    exact transients    with the exact rollout (``precision.exact``), what its trainer forward holds
+                        besides: the larger of one chunk of whole logit rows gathered for the engine's
+                        logprob kernel under TP (``actor.logprobs.CHUNK_ELEMENTS`` x 2 bytes) and one
+                        layer's paged K/V copy plus, above TP 2, the ordered TP reduction's gathered
+                        partial outputs and fp32 sum (``actor.exact.ordered_tp_reduce``)
     rollout weights     all parameters / rollout TP (1 byte for FP8 linears, 2 otherwise)
     rollout kv cache    hf: max_batch_tokens slots x layers x 2 (K, V) x kv heads x head_dim x 2 bytes;
                         vLLM: weights and cache together take gpu_memory_utilization of the GPU
@@ -68,10 +73,12 @@ class MemoryEstimate:
     """The config key of ``engine_share``."""
     offload_actor: bool
     host_offload: float
+    exact_transients: float = 0.0
 
     @property
     def trainer_total(self) -> float:
-        return self.trainer_weights + self.trainer_grads + self.optimizer + self.fp8_copies + self.activations
+        return (self.trainer_weights + self.trainer_grads + self.optimizer + self.fp8_copies + self.activations
+                + self.exact_transients)
 
     def rollout_total(self, capacity: float | None = None) -> float:
         """Bytes of the engine while it generates; one with a share claims it of ``capacity``."""
@@ -120,7 +127,10 @@ class MemoryEstimate:
     def rows(self, capacity: float | None = None) -> list[tuple[str, float]]:
         rows = [("trainer weights", self.trainer_weights), ("trainer grads (fp32)", self.trainer_grads),
                 ("optimizer (fp32, /DP)", self.optimizer), ("fp8 weight copies", self.fp8_copies),
-                ("activations", self.activations), ("trainer total", self.trainer_total)]
+                ("activations", self.activations)]
+        if self.exact_transients:
+            rows.append(("exact transients", self.exact_transients))
+        rows.append(("trainer total", self.trainer_total))
         if self.engine_share is not None:
             rows.append((f"engine share ({self.engine_share:g} x GPU)", self.rollout_total(capacity)))
         else:
@@ -181,7 +191,26 @@ def estimate_memory(bridge: ModelBridge, actor: ActorSettings, rollout: RolloutS
         share_key=rollout.options.share_key,
         offload_actor=rollout.offload_actor,
         host_offload=local * 2 + local * 12 / dp,
+        exact_transients=exact_transients(bridge, actor, tokens) if actor.precision.exact else 0.0,
     )
+
+
+def exact_transients(bridge: ModelBridge, actor: ActorSettings, tokens: int) -> float:
+    """Bytes the exact forward holds for a moment besides the activations (see the module docstring):
+    the gathered logit rows of one chunk under TP, or one layer's paged K/V copy and, above TP 2, its
+    ordered reduction (the partial outputs of every rank and their fp32 sum)."""
+    from megatron_jetrl.actor.logprobs import CHUNK_ELEMENTS
+    from megatron_jetrl.precision.exact import ordered_tp_reduction
+
+    d, par = bridge.dims, actor.parallel
+    logits = CHUNK_ELEMENTS * 2 if par.tp > 1 else 0.0
+    paged_kv = tokens * 2 * (d.num_groups / par.tp) * d.head_dim * 2
+    reduction = 0.0
+    if ordered_tp_reduction(par.tp):
+        rows = tokens / par.tp if par.sequence_parallel else tokens
+        gathered = tokens if par.sequence_parallel else tokens * par.tp  # all-to-all's chunks / all-gather's copies
+        reduction = gathered * d.hidden_size * 2 + rows * d.hidden_size * 4
+    return max(logits, paged_kv + reduction)
 
 
 def gpu_capacity(spec: str) -> float:

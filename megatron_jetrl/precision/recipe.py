@@ -106,6 +106,10 @@ class PrecisionRecipe:
     fp8: Fp8Options = field(default_factory=Fp8Options)
     exact: bool = False
     exact_mismatch: Literal["stop", "correct"] = "stop"
+    exact_auto: str | None = field(default=None, init=False, repr=False)
+    """Set by the job loader where ``precision.exact`` is ``auto`` (a job's default): "" when it chose
+    the exact rollout, else why the job's layout cannot have one (a sentence); None where ``exact``
+    was given (true or false, or in code)."""
 
     def __post_init__(self) -> None:
         try:
@@ -127,6 +131,13 @@ class PrecisionRecipe:
             raise ConfigError("precision.exact_mismatch", self.exact_mismatch,
                               "says what an exact rollout does when exactness fails; set precision.exact=true, or "
                               "leave precision.exact_mismatch out")
+
+    def chosen_automatically(self, why_not: str) -> "PrecisionRecipe":
+        """This recipe as ``precision.exact: auto`` chose it: ``why_not`` empty where it chose the exact
+        rollout, else the reason it did not."""
+        out = dataclasses.replace(self)
+        object.__setattr__(out, "exact_auto", why_not)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         fp8 = dataclasses.asdict(self.fp8)

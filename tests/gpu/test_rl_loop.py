@@ -63,7 +63,8 @@ def _check_ok(proc: subprocess.CompletedProcess, code: int = 0) -> None:
     assert proc.returncode == code, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-MODES = {"fp8": ("precision.mode=fp8",), "bf16": ("precision.mode=bf16",),
+MODES = {"fp8": ("precision.mode=fp8", "precision.exact=false"),  # the default rollout (auto would be exact on vLLM)
+         "bf16": ("precision.mode=bf16", "precision.exact=false"),
          "fp8-exact": ("precision.mode=fp8", "precision.exact=true"),
          "fp8kv-exact": ("precision.mode=fp8", "precision.exact=true", "rollout.vllm.kv_cache_dtype=fp8")}
 """Precision overrides per mode; ``fp8-exact``: the exact rollout (vLLM's logprobs are the trainer's);

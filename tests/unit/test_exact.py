@@ -739,3 +739,42 @@ def test_an_exact_job_starts_only_after_its_self_check_finds_the_engines_logprob
         Trainer.exact_self_check(_self_check_double(one_off))
     line = str(e.value)
     assert "found 1 of 16 sampled tokens" in line and "vLLM 0.32.0" in line and "precision.exact=false" in line
+
+
+# -- precision.exact: auto (a job's default) ------------------------------------------------------------
+
+TINY = "examples/configs/tiny_countdown.yaml"
+
+
+def test_auto_is_exact_wherever_the_job_allows_it():
+    job = load_job(TINY, ["rollout.engine=vllm"])
+    assert job.precision.exact and job.actor.precision.exact and job.precision.exact_auto == ""
+    assert job.to_dict()["precision"]["exact"] == "auto" and load_job(None, raw=job.to_dict()) == job
+    assert ", exact rollout (" in resolve(job, 1).describe(job)[1]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algo.correction.mode=token_tis", "algo.correction.mode=token_tis"),
+    ("precision.mode=fp16", "mode 'fp16' has none"),
+    ("model.config.head_dim=64", "head_dim is 64"),  # the model's shape, from its config read at load
+])
+def test_auto_runs_the_default_rollout_elsewhere_and_says_why(override, key):
+    job = load_job(TINY, ["rollout.engine=vllm", override])  # also the hf engine: below
+    assert not job.precision.exact and not job.actor.precision.exact
+    assert key in job.precision.exact_auto, job.precision.exact_auto
+    line = resolve(job, 1).describe(job)[1]
+    assert "not exact (precision.exact=auto: " in line and key in line, line
+    assert load_job(None, raw=job.to_dict()) == job
+    hf = load_job(TINY)  # the tiny example's own engine
+    assert not hf.precision.exact and "rollout.engine=hf" in hf.precision.exact_auto
+
+
+def test_true_refuses_what_auto_passes_over_and_false_opts_out():
+    with pytest.raises(ConfigError) as e:
+        load_job(TINY, [*EXACT, "algo.correction.mode=token_tis"])
+    assert e.value.key == "algo.correction.mode"
+    off = load_job(TINY, ["rollout.engine=vllm", "precision.exact=false"])
+    assert not off.precision.exact and off.precision.exact_auto is None
+    assert off.to_dict()["precision"]["exact"] is False and "exact" not in resolve(off, 1).describe(off)[1]
+    with pytest.raises(ConfigError, match=r"precision.exact: got 'sometimes'; must be true, false or auto"):
+        load_job(TINY, ["precision.exact=sometimes"])

@@ -143,9 +143,13 @@ def test_train_refuses_a_plan_over_the_gpu(paths):
 
 def test_backend_env_follows_the_recipe(paths):
     job = load_job(CONFIGS / RECIPES["8b"][0], overrides(paths, "8b"))
-    assert backend_env(job, resolve(job, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "1"}
+    exact = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}  # the recipe's rollout is exact (auto)
+    assert job.precision.exact and job.precision.exact_auto == ""
+    assert backend_env(job, resolve(job, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "1", **exact}
     cut = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "rollout.vllm.fp8_gemm=cutlass"])
-    assert backend_env(cut, resolve(cut, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "0"}
+    assert backend_env(cut, resolve(cut, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "0", **exact}
+    default = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "precision.exact=false"])
+    assert backend_env(default, resolve(default, 8)) == {"VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_USE_DEEP_GEMM": "1"}
     hf = load_job(CONFIGS / RECIPES["8b"][0], [*overrides(paths, "8b"), "precision.fp8.pow2_scales=true",
                                                "rollout.engine=hf"])
     assert backend_env(hf, resolve(hf, 8)) == {}  # native backend, hf engine: nothing to set
