@@ -28,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("positions"), py::arg("inv_freq"));
   m.def("silu_mul_quant", &jetrl::silu_mul_quant, "SiLU(gate) * up + 1x128 FP8 quantization in one launch (CUDA)",
         py::arg("x"), py::arg("pow2_scales"), py::arg("quant_eps"), py::arg("m_align"));
+  m.def("ordered_sum", &jetrl::ordered_sum, "the TP ranks' partial results summed in rank order in fp32 (CUDA)",
+        py::arg("parts"));
   m.def("silu_mul", &jetrl::silu_mul, "SiLU(gate) * up of the exact forward, torch's rounding (CUDA)", py::arg("x"));
   m.def("static_fp8_quant", &jetrl::static_fp8_quant, "E4M3 codes of x / scale, one fp32 scale (CUDA)",
         py::arg("x"), py::arg("scale"));

@@ -25,6 +25,24 @@ void check_cuda_input(const at::Tensor& x, const char* op) {
 
 }  // namespace
 
+at::Tensor ordered_sum(const at::Tensor& parts) {
+  check_cuda_input(parts, "ordered_sum");
+  TORCH_CHECK(parts.dim() >= 1 && parts.size(0) >= 1, "ordered_sum: parts must be [tp, ...] with tp >= 1; got shape ",
+              dims(parts.sizes()));
+  TORCH_CHECK(parts.is_contiguous(), "ordered_sum: parts must be contiguous; got strides ", dims(parts.strides()));
+  at::Tensor y = at::empty(parts.sizes().slice(1), parts.options().memory_format(at::MemoryFormat::Contiguous));
+  if (y.numel() == 0) return y;
+#ifdef JETRL_WITH_CUDA
+  OrderedSumArgs args;
+  args.parts = parts.data_ptr();
+  args.y = y.data_ptr();
+  args.tp = parts.size(0);
+  args.N = y.numel();
+  ordered_sum_cuda(args, parts.scalar_type(), parts);
+#endif
+  return y;
+}
+
 at::Tensor silu_mul(const at::Tensor& x) {
   check_cuda_input(x, "silu_mul");
   TORCH_CHECK(x.dim() == 2, "silu_mul: x must be 2-D [R, 2I]; got shape ", dims(x.sizes()));

@@ -1,5 +1,6 @@
-// The exact forward's elementwise ops as single CUDA kernels: SiLU·mul (megatron's SwiGLU rounding)
-// and the static FP8 quantization of an FP8 KV cache's query. Each computes, element by element, the
+// The exact forward's elementwise ops as single CUDA kernels: SiLU·mul (megatron's SwiGLU rounding),
+// the static FP8 quantization of an FP8 KV cache's query, and the ordered sum of the TP ranks' partial
+// results (ordered_sum_reference). Each computes, element by element, the
 // value of the eager torch ops it replaces (megatron_jetrl/ops/exact.py: silu_mul_reference,
 // static_fp8_quant_reference), so kernel and reference agree bit for bit; one launch instead of
 // two (SiLU·mul) or four (the quantization). Validated in elementwise.cpp; CUDA only (elsewhere
@@ -40,7 +41,16 @@ struct SiluMulQuantArgs {
   float quant_eps = 0.0f;
 };
 
+// One launch of ordered_sum: y [N] = dtype(((float(p[0]) + float(p[1])) + ...) + float(p[tp - 1])) for
+// parts p [tp, N] contiguous: the fp32 sum in rank order, rounded once.
+struct OrderedSumArgs {
+  const void* parts = nullptr;
+  void* y = nullptr;
+  int64_t tp = 0, N = 0;
+};
+
 #ifdef JETRL_WITH_CUDA
+void ordered_sum_cuda(const OrderedSumArgs& args, at::ScalarType dtype, const at::Tensor& parts);
 void silu_mul_cuda(const SiluMulArgs& args, at::ScalarType dtype, const at::Tensor& x);
 void silu_mul_quant_cuda(const SiluMulQuantArgs& args, at::ScalarType dtype, const at::Tensor& x);
 void static_fp8_quant_cuda(const StaticQuantArgs& args, at::ScalarType dtype, const at::Tensor& x);
@@ -54,6 +64,10 @@ at::Tensor silu_mul(const at::Tensor& x);
 // m_align)): the bytes of quantize_1x128(silu_mul(x)) with these scale options.
 std::tuple<at::Tensor, at::Tensor> silu_mul_quant(const at::Tensor& x, bool pow2_scales, double quant_eps,
                                                   int64_t m_align);
+
+// parts [tp, ...] bf16/fp16/fp32 on CUDA, contiguous, tp >= 1 -> new contiguous [...]: the TP ranks' partial
+// results summed in rank order in fp32 and rounded once (the exact mode's TP reduction).
+at::Tensor ordered_sum(const at::Tensor& parts);
 
 // x bf16/fp16/fp32 on CUDA, contiguous, any shape; scale fp32 with one element on x's device -> new
 // float8_e4m3fn tensor of x's shape.

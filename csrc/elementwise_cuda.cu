@@ -8,6 +8,9 @@
 //   (c10::Float8_e4m3fn, the header torch's `.to(torch.float8_e4m3fn)` runs).
 // - silu_mul_quant: silu_mul's values quantized in 1x128 groups in the same launch, with the bytes
 //   quantize_cuda.cu's kernel makes of silu_mul's output (the encoding is quantize_cuda.cuh's).
+// - ordered_sum: y = dtype(((float(p0) + float(p1)) + ...) + float(p[tp-1])), the TP ranks' partial
+//   results in rank order: torch's float copy of p0 then an in-place fp32 add of each next part, then
+//   the rounding to the dtype (ordered_sum_reference), in one launch instead of tp + 1.
 // __fdiv_rn / __fadd_rn / __fmul_rn keep every operation one IEEE rounding (no FMA contraction).
 // Each thread handles VEC consecutive elements (16-byte loads where the layout allows, else one);
 // nothing depends on other rows or on the grid, so an element gets the same bits in any batch. No host
@@ -112,6 +115,26 @@ __global__ void __launch_bounds__(kThreads)
   *reinterpret_cast<Pack<uint8_t, VEC>*>(y + i) = out;
 }
 
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    ordered_sum_kernel(const T* __restrict__ parts, T* __restrict__ y, int64_t tp, int64_t N) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
+  if (i >= N) return;
+  const Pack<T, VEC> first = *reinterpret_cast<const Pack<T, VEC>*>(parts + i);
+  float acc[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) acc[e] = Round<T>::to_float(first.v[e]);
+  for (int64_t r = 1; r < tp; ++r) {
+    const Pack<T, VEC> p = *reinterpret_cast<const Pack<T, VEC>*>(parts + r * N + i);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] = __fadd_rn(acc[e], Round<T>::to_float(p.v[e]));
+  }
+  Pack<T, VEC> out;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) out.v[e] = Round<T>::from_float(acc[e]);
+  *reinterpret_cast<Pack<T, VEC>*>(y + i) = out;
+}
+
 // Elements per thread: 16 bytes of T where every access stays aligned, else 1.
 template <typename T>
 constexpr int kVec = 16 / sizeof(T);
@@ -146,7 +169,25 @@ void launch_static_fp8_quant(const StaticQuantArgs& a, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename T>
+void launch_ordered_sum(const OrderedSumArgs& a, cudaStream_t stream) {
+  constexpr int V = kVec<T>;
+  const auto* parts = static_cast<const T*>(a.parts);
+  auto* y = static_cast<T*>(a.y);
+  if (a.N % V == 0 && aligned(parts, 16) && aligned(y, 16)) {  // every part's row starts aligned too
+    ordered_sum_kernel<T, V><<<blocks_for(a.N / V), kThreads, 0, stream>>>(parts, y, a.tp, a.N);
+  } else {
+    ordered_sum_kernel<T, 1><<<blocks_for(a.N), kThreads, 0, stream>>>(parts, y, a.tp, a.N);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
+
+void ordered_sum_cuda(const OrderedSumArgs& args, at::ScalarType dtype, const at::Tensor& parts) {
+  by_dtype_on_stream(parts, dtype, "ordered_sum",
+                     [&](auto t, cudaStream_t stream) { launch_ordered_sum<decltype(t)>(args, stream); });
+}
 
 void silu_mul_quant_cuda(const SiluMulQuantArgs& args, at::ScalarType dtype, const at::Tensor& x) {
   by_dtype_on_stream(x, dtype, "silu_mul_quant", [&](auto t, cudaStream_t stream) {

@@ -29,6 +29,8 @@
 # results in /tmp/exact_ablation, its table last.
 # --actor "ARGS": the actor-step benchmark (ARGS are bench_actor_step.py's), torchrun on one
 # GPU; repeatable. --linear: the FP8 linear benchmark, its headline key into /tmp/bench_vllm/headline_linear.json.
+# --tp-reduce: the exact rollout's ordered TP reduction against NCCL's, torchrun over every visible GPU,
+# its headline key into /tmp/bench_vllm/headline_tp_reduce.json.
 # --with-te: Transformer Engine for this run only (waits up to 20 min for the five .te_pK folders the
 # carrying calls copy to /tmp/teb, runs te_install.sh once, puts /tmp/tesite first on PYTHONPATH with
 # JETRL_REQUIRE_TE=1 and the recipe's NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1). Only for the TE runs:
@@ -36,7 +38,7 @@
 #   carrying call K (1-5): mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK
 set -uo pipefail
 tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=auto
-sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 with_te=0 step_args="" ablation="" decode_args=""
+sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 tp_reduce=0 with_te=0 step_args="" ablation="" decode_args=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift ;;
@@ -51,6 +53,7 @@ while [ $# -gt 0 ]; do
     --step-modes) step_modes="$2"; step=1; shift ;;
     --actor) actor+=("$2"); shift ;;
     --linear) linear=1 ;;
+    --tp-reduce) tp_reduce=1 ;;
     --with-te) with_te=1 ;;
     --step-args) step_args="$2"; step=1; shift ;;
     --ablation) ablation="$2"; shift ;;
@@ -129,6 +132,14 @@ if [ $linear -eq 1 ]; then
     --headline /tmp/bench_vllm/headline_linear.json >"$out/bench_fp8_linear.log" 2>&1
   r=$?; [ $r -eq 0 ] || rc=$r
   echo "linear: rc=$r in $(( $(date +%s) - t0 )) s"; grep -v -i warn "$out/bench_fp8_linear.log" | tail -30
+fi
+if [ $tp_reduce -eq 1 ]; then
+  t0=$(date +%s)
+  mkdir -p /tmp/bench_vllm
+  torchrun --standalone --nproc-per-node="$(python3 -c "import torch; print(torch.cuda.device_count())")" -m benchmarks.bench_tp_reduce \
+    --json "$out/tp_reduce.json" --headline /tmp/bench_vllm/headline_tp_reduce.json >"$out/tp_reduce.log" 2>&1
+  r=$?; [ $r -eq 0 ] || rc=$r
+  echo "tp reduce: rc=$r in $(( $(date +%s) - t0 )) s"; grep -v -i -E "warn|^W[0-9]" "$out/tp_reduce.log" | tail -14
 fi
 for i in "${!actor[@]}"; do
   t0=$(date +%s)

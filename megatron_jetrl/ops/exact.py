@@ -132,15 +132,23 @@ def static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return load_extension().static_fp8_quant(x.contiguous(), scale.float().reshape(-1))
 
 
-def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+def ordered_sum_reference(parts: torch.Tensor) -> torch.Tensor:
     """The exact mode's TP reduction (``EXACT_KERNELS["tp_reduce"]``): ``parts`` [tp, ...], every TP
-    rank's partial result in rank order, summed in that order in fp32 and rounded once to their dtype.
-    Elementwise, so an element's bits depend on nothing but its tp partial values; with two parts the
-    bits of one add of the two (torch rounds the fp32 sum)."""
+    rank's partial result in rank order, summed in that order in fp32 and rounded once to their dtype,
+    in eager torch ops. Elementwise, so an element's bits depend on nothing but its tp partial values;
+    with two parts the bits of one add of the two (torch rounds the fp32 sum)."""
     acc = parts[0].to(torch.float32, copy=True)
     for part in parts[1:]:
         acc.add_(part)
     return acc.to(parts.dtype)
+
+
+def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    """``ordered_sum_reference``'s values; on CUDA in one kernel (csrc/elementwise_cuda.cu, equal bit
+    for bit, tested) instead of tp + 1, else the reference. Both sides of the exact rollout call it."""
+    if not parts.is_cuda:
+        return ordered_sum_reference(parts)
+    return load_extension().ordered_sum(parts.contiguous())
 
 
 def rope_inv_freq(rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:

@@ -121,3 +121,30 @@ def test_ordered_tp_reduce_sums_in_rank_order_with_megatrons_gradients():
     partial_products = torch.stack([o[5][1] for o in out])
     for rank, *_, (linear, _), _ in out:
         assert torch.equal(linear, ordered_sum(partial_products)), f"rank {rank}: the exact row-parallel linear"
+
+
+def _bench_worker(rank, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    try:
+        import contextlib
+        import io
+
+        from benchmarks.bench_tp_reduce import main
+
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            rc = main(["--device", "cpu", "--models", "8b", "--cases", "decode", "--repeats", "3", "--iters", "1"])
+        results.put((rank, rc, printed.getvalue(), None))
+    except BaseException as e:  # reported to the test
+        results.put((rank, None, None, repr(e)))
+
+
+def test_the_reduction_benchmark_runs_and_prints_its_table():
+    """bench_tp_reduce end to end on gloo (its CPU mode: the numbers mean nothing here, the GPU host
+    measures them): rank 0 prints one row per case with both times and their ratio."""
+    out = run_ranks(_bench_worker, 2, free_port(), timeout=240)
+    assert all(err is None and rc == 0 for _, rc, _, err in out), out
+    table = out[0][2]
+    assert "== TP 2: the ordered reduction" in table and table.count("    8b    decode") == 2, table
+    assert out[1][2] == ""

@@ -1,13 +1,15 @@
 """The exact forward's elementwise CUDA kernels equal their eager torch references on CUDA bit for bit:
 ``silu_mul`` (megatron's SwiGLU: ``F.silu(gate) * up``, the value vLLM must compute in the exact mode)
-and ``static_fp8_quant`` (an FP8 KV cache's query codes), over wide value ranges, special values,
-odd shapes (the kernels' one-element path) and rows alone vs in a batch."""
+``static_fp8_quant`` (an FP8 KV cache's query codes) and ``ordered_sum`` (the exact mode's TP
+reduction), over wide value ranges, special values, odd shapes (the kernels' one-element path) and
+rows alone vs in a batch."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_jetrl.ops.exact import silu_mul, silu_mul_reference, static_fp8_quant, static_fp8_quant_reference
+from megatron_jetrl.ops.exact import (ordered_sum, ordered_sum_reference, silu_mul, silu_mul_reference,
+                                      static_fp8_quant, static_fp8_quant_reference)
 from tests.unit.test_rms_norm_kernel import DTYPES, assert_same_bits
 
 pytestmark = pytest.mark.gpu
@@ -74,3 +76,23 @@ def test_static_fp8_quant_special_values_odd_shapes_and_scalar_scales(dtype):
     _same_codes(static_fp8_quant(odd, s), static_fp8_quant_reference(odd, s), f"{dtype} odd shape")
     x = _values((256, 4096), dtype, seed=10)
     _same_codes(static_fp8_quant(x[17:18], s), static_fp8_quant(x, s)[17:18], f"{dtype} a row alone")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", [(128, 4096), (333, 5120), (7, 9)])  # (7, 9): the one-element path
+def test_ordered_sum_equals_its_eager_reference(dtype, tp, shape):
+    """The TP ranks' partial results of very different magnitudes (so that the order and the rounding
+    matter), special values among them; the kernel's sum equals the eager one bit for bit, and differs
+    from a sum rounded to the dtype at every step (the negative control, above TP 2 in BF16)."""
+    parts = torch.stack([_values(shape, dtype, seed=tp * 10 + r, spread=10.0 ** (r % 3)) for r in range(tp)])
+    if parts.numel() >= 16:
+        parts.view(-1)[:16] = _special(dtype)
+    got, want = ordered_sum(parts), ordered_sum_reference(parts)
+    assert got.shape == parts.shape[1:] and got.dtype == dtype
+    assert_same_bits(got, want, f"ordered_sum {dtype} tp={tp} {shape}")
+    if tp > 2 and dtype == torch.bfloat16 and shape[0] > 7:
+        stepwise = parts[0]
+        for part in parts[1:]:
+            stepwise = stepwise + part
+        assert not torch.equal(got, stepwise), "the negative control: a BF16 sum rounded at each step differs"

@@ -546,6 +546,17 @@ def test_rope_kernel_names_what_is_wrong():
         ext.rope(torch.zeros(4, 2, 63), pos, inv)
 
 
+@needs_extension
+def test_ordered_sum_off_cuda_is_its_reference_and_the_kernel_names_what_is_wrong():
+    from megatron_jetrl.ops.exact import ordered_sum, ordered_sum_reference
+
+    parts = (torch.randn(4, 3, 5) * torch.tensor([1.0, 300.0, 0.01, 37.0]).view(4, 1, 1)).bfloat16()
+    want = ((parts[0].float() + parts[1].float() + parts[2].float()) + parts[3].float()).bfloat16()
+    assert torch.equal(ordered_sum(parts), want) and torch.equal(ordered_sum_reference(parts), want)
+    with pytest.raises(RuntimeError, match="runs on CUDA"):
+        load_extension().ordered_sum(parts)
+
+
 def test_the_fp8_kv_attention_backward_is_taken_at_the_values_the_cache_holds():
     """With an FP8 KV cache the forward attends over q, k, v rounded to the cache's E4M3 codes (and
     clamped by its scales): the backward differentiates the trainer's attention at those values,
