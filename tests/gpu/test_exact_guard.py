@@ -1,12 +1,15 @@
 """The exact rollout's guards on a real engine (``precision.exact``, vLLM): a fault put into the engine's
-weights after a sync (tests/gpu/exact_guard_run.py flips one E4M3 step in 128 of its FP8 codes) makes its
-logprobs differ from the trainer's, and
-- at the start (the first sync): the start-up self-check refuses to begin (exit 3, one line);
-- from the second sync, ``precision.exact_mismatch=stop`` (the default): step 2's update finds it and
+weights (tests/gpu/exact_guard_run.py sets the lowest bit of 128 of its FP8 codes) makes its logprobs
+differ from the trainer's, and
+- from the start (after the first sync): the start-up self-check refuses to begin (exit 3, one line);
+- from step 2's rollout on, ``precision.exact_mismatch=stop`` (the default): step 2's update finds it and
   the job stops before that step's optimizer step (exit 3, one line, nothing of step 2 logged or saved);
-- from the second sync, ``precision.exact_mismatch=correct``: steps 2 and 3 recompute their old
+- from step 2's rollout on, ``precision.exact_mismatch=correct``: steps 2 and 3 recompute their old
   logprobs, apply the configured correction and go on (``exact/corrected_step`` 1), exit 0;
 - the negative control: no fault, every step exact (``rollout_corr/unequal_tokens`` 0, none corrected).
+With the guard as the check, on two GPUs: several rollout replicas (trainer DP 2, one engine a rank)
+and trainer pipeline stages (PP 2, an engine unstaged on each rank; a layout the contract does not
+list yet, let in by ``--allow-pp``) run every step exact.
 """
 
 from __future__ import annotations
@@ -30,12 +33,17 @@ EXACT = ("rollout.engine=vllm", "precision.mode=fp8", "precision.exact=true", "r
          "run.eval_every=0", "sft.steps=0", "log.console=false")
 
 
-def _run(tmp_path: Path, perturb_from: int, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _run(tmp_path: Path, perturb_from: int, *overrides: str, nproc: int = 1,
+         allow_pp: int | None = None) -> tuple[subprocess.CompletedProcess, list[dict]]:
     run_dir = tmp_path / "run"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(nproc))).split(",")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus[:nproc]))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, str(RUN), "--perturb-from", str(perturb_from), "--", str(CONFIG),
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc-per-node={nproc}"]
+    allow = [] if allow_pp is None else ["--allow-pp", str(allow_pp)]
+    proc = subprocess.run([*launcher, str(RUN), "--perturb-from", str(perturb_from), *allow, "--", str(CONFIG),
                            f"run.dir={run_dir}", *EXACT, *overrides], env=env, capture_output=True, text=True,
                           timeout=900)
     (tmp_path / "run.log").write_text(proc.stdout + proc.stderr)
@@ -81,3 +89,31 @@ def test_without_a_fault_every_step_is_exact(tmp_path):
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["rollout_corr/unequal_tokens"] == 0 and m["exact/corrected_step"] == 0 for m in steps)
     assert "start-up self-check's" in proc.stdout + proc.stderr
+
+
+def _two_gpus() -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs; this host has {torch.cuda.device_count()}")
+
+
+def _every_step_exact(proc, steps) -> None:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["rollout_corr/unequal_tokens"] == 0 and m["exact/corrected_step"] == 0 for m in steps), steps
+
+
+def test_several_rollout_replicas_are_exact(tmp_path):
+    """Trainer DP 2 at TP 1, rollout TP 1: two engines, one a rank, each sampling its share; the trainer
+    packs every rank's samples its own way, and every token's logprob is the engine's."""
+    _two_gpus()
+    _every_step_exact(*_run(tmp_path, 0, nproc=2))
+
+
+def test_trainer_pipeline_stages_are_exact(tmp_path):
+    """Trainer PP 2 (two stages, the last one holding the LM head and the logprob), an engine unstaged on
+    each rank (rollout TP 1): the per-layer math is the same, so every step must be exact; passing lets
+    precision.exact.EXACT_MAX_PP be 2."""
+    _two_gpus()
+    _every_step_exact(*_run(tmp_path, 0, "actor.parallel.pp=2", nproc=2, allow_pp=2))
