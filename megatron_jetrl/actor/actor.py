@@ -128,16 +128,14 @@ class Actor:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp)
         tensor_parallel.model_parallel_cuda_manual_seed(settings.seed)
         self.config = model_lib.transformer_config(bridge, settings)
+        self._exact = vllm_kernels() if settings.precision.exact else None
+        """vLLM's kernels of the exact forward (``precision.exact``), which the layers and logprobs call."""
         gpt = model_lib.build_gpt(bridge, settings, self.config, pre_process=parallel_state.is_pipeline_first_stage(),
-                                  post_process=parallel_state.is_pipeline_last_stage())
+                                  post_process=parallel_state.is_pipeline_last_stage(), exact_kernels=self._exact)
         self.gpt = gpt
         self.num_fp8_linears = 0
         if (settings.precision.train_fp8 and settings.fp8_backend == "native") or settings.precision.exact:
             self.num_fp8_linears = model_lib.configure_fp8_linears(gpt, settings, bridge.dims.num_layers, self.device)
-        self._exact = vllm_kernels() if settings.precision.exact else None
-        """vLLM's kernels of the exact forward (``precision.exact``), which the layers and logprobs call."""
-        if self._exact is not None:
-            model_lib.configure_exact(gpt, self._exact)
         self.model = model_lib.wrap_ddp(gpt, self.config)
         self.optimizer, self.scheduler = model_lib.build_optimizer(self.model, settings)
         self.config.finalize_model_grads_func = finalize_model_grads

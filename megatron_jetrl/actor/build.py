@@ -136,26 +136,37 @@ def transformer_config(bridge: ModelBridge, settings: ActorSettings) -> Transfor
     return config
 
 
-def layer_spec(bridge: ModelBridge, settings: ActorSettings, config: TransformerConfig):
+def layer_spec(bridge: ModelBridge, settings: ActorSettings, config: TransformerConfig, exact_kernels=None):
     """The TE layer spec (te backend, in every precision mode: TE's linears, fused norms and
     attention, so that its FP8 and BF16 steps differ only in the GEMMs), or this stage's decoder
-    block of local layers with the project's norm, attention and (fp8) linears."""
+    block of local layers with the project's norm, attention and (fp8) linears; in the exact mode
+    the exact layer, its modules built with vLLM's kernels (``exact_kernels``, ``ops.exact.VllmKernels``)."""
     if settings.fp8_backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bridge.dims.qk_norm)
     exact = settings.precision.exact
     spec = local_layer_spec(qk_layernorm=bridge.dims.qk_norm,
-                            fp8=settings.precision.train_fp8 and settings.fp8_backend == "native", exact=exact)
+                            fp8=settings.precision.train_fp8 and settings.fp8_backend == "native", exact=exact,
+                            exact_kernels=exact_kernels)
     layers = get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=norm_class(exact))
 
 
 def build_gpt(bridge: ModelBridge, settings: ActorSettings, config: TransformerConfig, *, pre_process: bool,
-              post_process: bool) -> GPTModel:
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec(bridge, settings, config),
+              post_process: bool, exact_kernels=None) -> GPTModel:
+    """This stage's model; in the exact mode built with vLLM's kernels (``exact_kernels``): the layer
+    spec's modules take them at construction, the LM head (which GPTModel builds itself) gets its
+    exact GEMM here, and ``check_exact`` refuses a model with a module left on another kernel."""
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec(bridge, settings, config, exact_kernels),
                      pre_process=pre_process, post_process=post_process, parallel_output=True,
                      **bridge.gpt_model_kwargs(settings.parallel))
+    if settings.precision.exact:
+        if exact_kernels is None:
+            raise ValueError("precision.exact: the exact model is built with vLLM's kernels (ops.exact.vllm_kernels())")
+        if getattr(model, "output_layer", None) is not None:
+            bind_exact_forward(model.output_layer, exact_kernels)
+        check_exact(model)
     return model.cuda(torch.cuda.current_device())
 
 
@@ -192,22 +203,6 @@ def configure_fp8_linears(model: GPTModel, settings: ActorSettings, num_layers: 
                 m.configure_fp8(quantizer=quantizer, gemm=gemm, enabled=enabled, wgrad_into=wgrad_into)
                 n_fp8 += enabled
     return n_fp8
-
-
-def configure_exact(model: GPTModel, kernels) -> int:
-    """Hand vLLM's kernels (``ops.exact.VllmKernels``) to every linear, attention and the LM head of
-    an exact-mode model (after ``configure_fp8_linears``), then ``check_exact``; returns how many
-    modules got them."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, (_Fp8LinearMixin, PackedCoreAttention)):
-            m.exact_kernels = kernels
-            n += 1
-    if getattr(model, "output_layer", None) is not None:
-        bind_exact_forward(model.output_layer, kernels)
-        n += 1
-    check_exact(model)
-    return n
 
 
 def check_exact(model: torch.nn.Module) -> None:

@@ -27,12 +27,13 @@
   sequence parallelism, otherwise all-reduce of the input gradient. The actor configures each
   linear after construction (quantizer, GEMM backend, and whether its layer runs in FP8), since
   the recipe keeps the first/last N layers in BF16 and a linear does not know its layer number.
-- The exact mode (``precision.exact``, ``actor/exact.py``): the norms become ``ExactRMSNorm``, the
-  linears of BF16 layers and the LM head compute their forward GEMM with vLLM's batch-invariant
-  matmul, FP8 FProp with the block-FP8 GEMM vLLM runs for the linear, attention with vLLM's
-  FlashAttention over paged K/V, and RoPE with ``ops.exact.rope`` (``actor.exact.exact_rope``); above
+- The exact mode (``precision.exact``, ``actor/exact.py``), one layer spec built with vLLM's kernels
+  (ModuleSpec params): the norms become ``ExactRMSNorm``, the linears of BF16 layers and the LM head
+  compute their forward GEMM with vLLM's batch-invariant matmul, FP8 FProp with the block-FP8 GEMM
+  vLLM runs for the linear, attention with vLLM's FlashAttention over paged K/V, and RoPE with ``ops.exact.rope`` (``actor.exact.exact_rope``); above
   TP 2 the row-parallel linears reduce their partial outputs in the contract's order
-  (``actor.exact.ordered_tp_reduce``); the actor hands the kernels to the modules after construction.
+  (``actor.exact.ordered_tp_reduce``). The LM head, which megatron's GPTModel builds itself, gets its
+  exact GEMM in ``build_gpt``.
 """
 
 from __future__ import annotations
@@ -239,7 +240,8 @@ class PackedCoreAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None, **_unused):
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 exact_kernels: Optional[VllmKernels] = None, **_unused):
         super().__init__(config=config)
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"PackedCoreAttention computes causal attention only; got {attn_mask_type}")
@@ -252,8 +254,8 @@ class PackedCoreAttention(MegatronModule):
         """Set by the actor for a pass that calibrates FP8 KV-cache scales (q, k, v arrive here
         after qk-norm and RoPE, as a KV cache stores them)."""
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        self.exact_kernels: Optional[VllmKernels] = None
-        """Set by an exact-mode actor: attention forward with vLLM's FlashAttention call."""
+        self.exact_kernels = exact_kernels
+        """The exact layer spec's (``local_layer_spec``): attention forward with vLLM's FlashAttention call."""
         self.exact_kv_scales: Optional[torch.Tensor] = None
         """Set by an exact-mode actor whose engine keeps an FP8 KV cache: this layer's (q, k, v)
         scales ([3] fp32, on the device) the engine computes with now."""
@@ -301,6 +303,12 @@ class _Fp8LinearMixin:
     fp8_enabled: bool = True
     exact_kernels: Optional[VllmKernels] = None
     fp8_wgrad_into: Optional[WgradInto] = None
+
+    def __init__(self, *args, exact_kernels: Optional[VllmKernels] = None, **kwargs):
+        """megatron's parallel linear; ``exact_kernels``: given by the exact layer spec
+        (``local_layer_spec``'s ModuleSpec params)."""
+        super().__init__(*args, **kwargs)
+        self.exact_kernels = exact_kernels
 
     def configure_fp8(self, *, quantizer: Fp8Quantizer, gemm: GemmBackend, enabled: bool,
                       wgrad_into: Optional[WgradInto] = None) -> None:
@@ -374,15 +382,20 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def local_layer_spec(*, qk_layernorm: bool, fp8: bool, exact: bool = False) -> ModuleSpec:
+def local_layer_spec(*, qk_layernorm: bool, fp8: bool, exact: bool = False,
+                     exact_kernels: Optional[VllmKernels] = None) -> ModuleSpec:
     """megatron-core's local GPT layer spec with ``PackedCoreAttention``, ``RMSNorm``, the sync-free
-    packed RoPE and, with ``fp8``, the FP8 parallel linears; with ``exact``, ``ExactRMSNorm`` and
-    the project's parallel linears in every layer (their exact GEMMs are configured afterwards)."""
+    packed RoPE and, with ``fp8``, the FP8 parallel linears; with ``exact``, the exact layer:
+    ``ExactRMSNorm``, ``ExactSwiGLU``, and the project's parallel linears and attention built with
+    vLLM's kernels (``exact_kernels``, ModuleSpec params: megatron hands them to the constructors).
+    Without the kernels (a CPU) the exact modules are built without them, and ``check_exact`` refuses
+    such a model."""
     use_sync_free_packed_rope()
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     attn = spec.submodules.self_attention.submodules
     mlp = spec.submodules.mlp.submodules
-    attn.core_attention = PackedCoreAttention
+    kernels = {"exact_kernels": exact_kernels} if exact else {}
+    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params=kernels)
     norm = norm_class(exact)
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
@@ -392,10 +405,10 @@ def local_layer_spec(*, qk_layernorm: bool, fp8: bool, exact: bool = False) -> M
     if exact:
         mlp.activation_func = ExactSwiGLU  # called on fc1's whole [gate | up] (use_te_activation_func, build.py)
     if fp8 or exact:
-        attn.linear_qkv = Fp8ColumnParallelLinear
-        attn.linear_proj = Fp8RowParallelLinear
-        mlp.linear_fc1 = Fp8ColumnParallelLinear
-        mlp.linear_fc2 = Fp8RowParallelLinear
+        attn.linear_qkv = ModuleSpec(module=Fp8ColumnParallelLinear, params=kernels)
+        attn.linear_proj = ModuleSpec(module=Fp8RowParallelLinear, params=kernels)
+        mlp.linear_fc1 = ModuleSpec(module=Fp8ColumnParallelLinear, params=kernels)
+        mlp.linear_fc2 = ModuleSpec(module=Fp8RowParallelLinear, params=kernels)
     return spec
 
 

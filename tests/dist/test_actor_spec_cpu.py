@@ -285,3 +285,36 @@ def test_an_exact_model_has_the_default_models_checkpoint_keys(megatron_cpu):
         state = model.sharded_state_dict()
         shapes.append({k: tuple(v.global_shape) for k, v in state.items() if hasattr(v, "global_shape")})
     assert shapes[0] and shapes[1] == shapes[0]
+
+
+def test_the_exact_spec_builds_every_linear_and_attention_with_vllms_kernels(megatron_cpu):
+    """The exact layer spec hands vLLM's kernels to megatron's constructors (ModuleSpec params): every
+    parallel linear and core attention holds them from construction, with nothing set afterwards; with
+    the LM head's exact GEMM bound (build_gpt does it) the model passes check_exact, without the
+    kernels it is refused."""
+    from megatron_jetrl.actor import ActorSettings
+    from megatron_jetrl.actor.build import check_exact, layer_spec, transformer_config
+    from megatron_jetrl.actor.exact import bind_exact_forward
+    from megatron_jetrl.actor.layers import PackedCoreAttention, _Fp8LinearMixin
+    from megatron_jetrl.models import bridge_for
+    from megatron_jetrl.precision import PrecisionRecipe
+    from tests.model_fixtures import tiny_hf_model
+    from megatron.core.models.gpt import GPTModel
+
+    bridge = bridge_for(tiny_hf_model("Qwen3ForCausalLM", num_layers=2).config.to_dict())
+    settings = ActorSettings(precision=PrecisionRecipe(mode="fp8", exact=True))
+    kernels = object()  # vLLM's kernels stand-in: only who holds it is checked here
+    models = []
+    for given in (kernels, None):
+        config = transformer_config(bridge, settings)
+        config.use_cpu_initialization = True
+        models.append(GPTModel(config=config, transformer_layer_spec=layer_spec(bridge, settings, config, given),
+                               **bridge.gpt_model_kwargs(settings.parallel)))
+    model, without = models
+    held = [m.exact_kernels for m in model.modules() if isinstance(m, (_Fp8LinearMixin, PackedCoreAttention))]
+    assert len(held) == 2 * (4 + 1) and all(k is kernels for k in held)
+    bind_exact_forward(model.output_layer, kernels)
+    check_exact(model)
+    bind_exact_forward(without.output_layer, kernels)
+    with pytest.raises(RuntimeError, match="without the exact kernels"):
+        check_exact(without)
