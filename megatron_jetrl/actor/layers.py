@@ -30,10 +30,10 @@
 - The exact mode (``precision.exact``, ``actor/exact.py``), one layer spec built with vLLM's kernels
   (ModuleSpec params): the norms become ``ExactRMSNorm``, the linears of BF16 layers and the LM head
   compute their forward GEMM with vLLM's batch-invariant matmul, FP8 FProp with the block-FP8 GEMM
-  vLLM runs for the linear, attention with vLLM's FlashAttention over paged K/V, and RoPE with ``ops.exact.rope`` (``actor.exact.exact_rope``); above
-  TP 2 the row-parallel linears reduce their partial outputs in the contract's order
-  (``actor.exact.ordered_tp_reduce``). The LM head, which megatron's GPTModel builds itself, gets its
-  exact GEMM in ``build_gpt``.
+  vLLM runs for the linear, attention with vLLM's FlashAttention over paged K/V, and RoPE with
+  ``ops.exact.rope`` (``actor.exact.exact_rope``); above TP 2 the row-parallel linears reduce their
+  partial outputs in the contract's order (``actor.exact.ordered_tp_reduce``). The LM head, which
+  megatron's GPTModel builds itself, gets its exact GEMM in ``build_gpt``.
 """
 
 from __future__ import annotations
