@@ -3,6 +3,7 @@ vLLM, and a whole RL step with vLLM rollout. One table, printed last; the headli
 docs/results/headline.json.
 
     python -m benchmarks.bench_vllm decode --modes bf16,fp8,fp8kv[,fp8-vq,fp8kv-vq] [--cases 64x512,...] [--warm-start]
+        [--cold-start]
     python -m benchmarks.bench_vllm sync [--train-tp 2 --rollout-tp 2]  # 8B FP8 shards -> vLLM, each path
     python -m benchmarks.bench_vllm step                 # jetrl train, Qwen3-8B layer shapes, FP8 and BF16
     python -m benchmarks.bench_vllm table [--headline docs/results/headline.json]
@@ -21,7 +22,9 @@ capacity counts). ``--profile`` adds a kernel-time split of 32 decode steps at b
 (``--warm-start-repeats`` times, default 3), each in a child that only builds and closes it: those
 starts (``engine_start_warm_s``, their median) find vLLM's torch.compile artifacts and DeepGEMM's JIT
 kernels in their on-disk caches (VLLM_CACHE_ROOT), as an RL job's restart does; ``engine_start_s`` is
-the first start, cold on a fresh machine.
+the first start, cold on a fresh machine. ``--cold-start`` starts it ``--cold-start-repeats`` times
+more with empty caches (``COLD_CACHES``), as a first start on a new machine
+(``vllm_engine_start_cold_s``: their median; without it, the run's first start).
 
 sync: the trainer's shards of the whole 8B model at TP 1 (random BF16 + their FP8 FProp weights),
 synced into an FP8 engine: ``in_place`` (the copy kernels write into vLLM's parameters),
@@ -239,6 +242,38 @@ def start_child(args) -> dict:
     return {"mode": args.mode, "fp8_gemm": _gemm(args, args.mode), "engine_start_s": start_s, "device": _device()}
 
 
+COLD_CACHES = ("VLLM_CACHE_ROOT", "DG_JIT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+"""The on-disk caches an engine start fills and a later start reads: vLLM's compiled graphs, DeepGEMM's
+JIT kernels, Inductor's and Triton's kernels. A cold start gets a fresh empty directory for each."""
+
+
+def cold_start(args, mode: str, name: str) -> None:
+    """Start ``mode``'s engine ``--cold-start-repeats`` more times (one process each), every time with
+    empty caches (``COLD_CACHES`` pointed at a fresh directory, removed after), as a job's first start
+    on a new machine; the seconds go into the mode's result: ``engine_start_cold_s_all``."""
+    import shutil
+    import tempfile
+
+    starts = []
+    for _ in range(args.cold_start_repeats):
+        fresh = Path(tempfile.mkdtemp(prefix="cold-start-", dir=args.work))
+        try:
+            env = {var: str(fresh / var.lower()) for var in COLD_CACHES}
+            start = run_child("decode", args, [mode, "--start-only"], name=f"{name}-cold", env_extra=env)
+        finally:
+            shutil.rmtree(fresh, ignore_errors=True)
+        if start is None:
+            break
+        (Path(args.work) / f"decode_{name}-cold.json").unlink()
+        starts.append(start["engine_start_s"])
+    if not starts:
+        print(f"decode {name}: the cold start wrote no result; engine_start_cold_s_all left out", flush=True)
+        return
+    out = Path(args.work) / f"decode_{name}.json"
+    out.write_text(json.dumps({**json.loads(out.read_text()), "engine_start_cold_s_all": starts}, indent=1))
+    print(f"decode {name}: cold engine start {statistics.median(starts):.0f} s (median of {len(starts)})", flush=True)
+
+
 def warm_start(args, mode: str, name: str) -> None:
     """Start ``mode``'s engine ``--warm-start-repeats`` more times (``start_child``, one process each),
     after its measured run left vLLM's compile and JIT caches on disk, and store the seconds in the
@@ -345,12 +380,14 @@ def sync_name(path: str, train_tp: int, rollout_tp: int) -> str:
     return path if (train_tp, rollout_tp) == (1, 1) else f"{path}_tp{train_tp}to{rollout_tp}"
 
 
-def run_child(kind: str, args, extra: list[str], *, name: str | None = None, gpus: int = 1) -> dict | None:
+def run_child(kind: str, args, extra: list[str], *, name: str | None = None, gpus: int = 1,
+              env_extra: dict[str, str] | None = None) -> dict | None:
     """Run this script as a child (one engine per process; ``gpus`` > 1: under torchrun, rank 0
-    writes the result) and return its JSON, or None."""
+    writes the result) and return its JSON, or None. ``env_extra``: more environment for the child."""
     name = name or extra[0]
     out = Path(args.work) / f"{kind}_{name}.json"
-    env = {**os.environ, **_launch_env(args, extra[0] if kind == "decode" else "fp8"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **_launch_env(args, extra[0] if kind == "decode" else "fp8"), "PYTHONUNBUFFERED": "1",
+           **(env_extra or {})}
     script = ["-m", "benchmarks.bench_vllm", "_child", kind, *extra, "--result", str(out), *_common(args)]
     if gpus == 1:
         cmd = [sys.executable, *script]
@@ -654,7 +691,8 @@ def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Fig
             [default["engine_start_warm_s"]] if "engine_start_warm_s" in default else [])
         if warm:
             out["vllm_engine_start_s"] = (Figure.of(warm), default)
-        out["vllm_engine_start_cold_s"] = (Figure.of([default["engine_start_s"]]), default)
+        cold = default.get("engine_start_cold_s_all") or [default["engine_start_s"]]  # else the run's first start
+        out["vllm_engine_start_cold_s"] = (Figure.of(cold), default)
     return out
 
 
@@ -709,6 +747,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: start each mode's engine again after its run, from the caches it left "
                         "(engine_start_warm_s: the median of --warm-start-repeats starts)")
     p.add_argument("--warm-start-repeats", type=int, default=3, help="decode --warm-start: starts per mode")
+    p.add_argument("--cold-start", action="store_true",
+                   help="decode: start each mode's engine again with empty caches, --cold-start-repeats times "
+                        "(vllm_engine_start_cold_s: their median)")
+    p.add_argument("--cold-start-repeats", type=int, default=3, help="decode --cold-start: starts per mode")
     p.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)  # _child decode: build and close only
     p.add_argument("--profile-batch", type=int, default=256, help="decode --profile: sequences in the profiled steps")
     p.add_argument("--headline-case", default="256x4096")
@@ -752,6 +794,8 @@ def main(argv=None) -> int:
                                name=name)
             if args.warm_start and result is not None:
                 warm_start(args, mode, name)
+            if args.cold_start and result is not None:
+                cold_start(args, mode, name)
     elif args.command == "sync":
         gpus = max(args.train_tp, args.rollout_tp)
         if gpus % min(args.train_tp, args.rollout_tp):

@@ -224,7 +224,7 @@ def test_warm_start_runs_a_start_only_child_after_each_mode(tmp_path, monkeypatc
     calls = []
     warm = iter([31.0, 29.0, 30.5])
 
-    def fake_run_child(kind, args, extra, *, name=None, gpus=1):
+    def fake_run_child(kind, args, extra, *, name=None, gpus=1, env_extra=None):
         calls.append((name, extra))
         if name == "bf16":
             return None
@@ -244,6 +244,34 @@ def test_warm_start_runs_a_start_only_child_after_each_mode(tmp_path, monkeypatc
     assert sorted(f.name for f in tmp_path.glob("*.json")) == ["decode_fp8-deep_gemm.json"]
     start, _ = bench_vllm.decode_headline({"fp8-deep_gemm": result}, "256x4096")["vllm_engine_start_s"]
     assert (start.value, start.repeats, start.spread) == (30.5, 3, (29.0, 31.0))
+
+
+def test_cold_starts_run_with_empty_caches_and_are_the_cold_headline(tmp_path, monkeypatch):
+    """decode --cold-start: --cold-start-repeats start-only children, each with vLLM's, DeepGEMM's,
+    Inductor's and Triton's caches in a fresh directory of its own (removed after); their seconds are
+    the mode's engine_start_cold_s_all and vllm_engine_start_cold_s their median (else the first start)."""
+    seen, cold = [], iter([300.0, 280.0, 310.0])
+
+    def fake_run_child(kind, args, extra, *, name=None, gpus=1, env_extra=None):
+        if "--start-only" in extra:
+            assert set(env_extra) == set(bench_vllm.COLD_CACHES)
+            roots = {Path(v).parent for v in env_extra.values()}
+            assert len(roots) == 1 and roots.pop().is_dir()
+            seen.append(env_extra["VLLM_CACHE_ROOT"])
+        result = {"mode": extra[0], "engine_start_s": next(cold) if "--start-only" in extra else 90.0}
+        (Path(args.work) / f"{kind}_{name}.json").write_text(json.dumps(result))
+        return result
+
+    monkeypatch.setattr(bench_vllm, "run_child", fake_run_child)
+    bench_vllm.main(["decode", "--modes", "fp8", "--fp8-gemm", "deep_gemm", "--cold-start", "--work", str(tmp_path)])
+    assert len(set(seen)) == 3 and not any(Path(v).parent.exists() for v in seen)  # each fresh, all removed
+    result = json.loads((tmp_path / "decode_fp8-deep_gemm.json").read_text())
+    assert result["engine_start_cold_s_all"] == [300.0, 280.0, 310.0] and result["engine_start_s"] == 90.0
+    start, _ = bench_vllm.decode_headline({"fp8-deep_gemm": result}, "256x4096")["vllm_engine_start_cold_s"]
+    assert (start.value, start.repeats, start.spread) == (300.0, 3, (280.0, 310.0))
+    start, _ = bench_vllm.decode_headline({"fp8-deep_gemm": {**result, "engine_start_cold_s_all": None}},
+                                          "256x4096")["vllm_engine_start_cold_s"]
+    assert (start.value, start.repeats) == (90.0, 1)
 
 
 def test_step_ratios_are_no_headline_unless_every_mode_did_the_same_work(tmp_path):
