@@ -354,7 +354,7 @@ def _check_exact_model_if_known(job: "JobConfig") -> None:
     download: ``resolve`` checks it then)."""
     try:
         bridge = bridge_for(job.model.hf_config_dict())
-    except (ConfigError, OSError, ValueError, KeyError):
+    except (ConfigError, OSError):  # not downloaded yet, or a config resolve() will name when it plans
         return
     check_exact_model(bridge)
 
