@@ -178,9 +178,9 @@ class VllmOptions:
 
     def exact_rules(self, trainer_tp: int) -> list[tuple[str, Any, bool, str]]:
         """(key, value, holds, fix) of what an exact rollout needs of vLLM: the trainer's layout,
-        the contract's attention kernel (``VLLM_ATTENTION_BACKENDS``) and the trainer's activation
+        the contract's attention kernel (``VLLM_ATTENTION``) and the trainer's activation
         quantization."""
-        k, backends = self.section, VLLM_ATTENTION_BACKENDS[ATTENTION_KERNEL]
+        k, backends = self.section, VLLM_ATTENTION[ATTENTION_KERNEL].options
         return [
             (f"{k}.tensor_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == trainer_tp,
              f"the exact rollout needs the trainer's layout in the engine (each rank the same slices of every "
@@ -197,9 +197,21 @@ class VllmOptions:
         return 0.0, self.gpu_memory_utilization
 
 
-VLLM_ATTENTION_BACKENDS = {"flash_attention": ("auto", "flash_attn")}
-"""``rollout.vllm.attention_backend`` values that run each attention kernel of the exact contract
-(``precision.exact.ATTENTION_KERNEL``): vLLM's pick on Hopper is FlashAttention 3."""
+@dataclass(frozen=True)
+class VllmAttention:
+    """How vLLM runs one attention kernel of the exact contract: the ``rollout.vllm.attention_backend``
+    values that pick it, the backend an exact engine asks for, and the class of its layers' ``impl``
+    that ``vllm_exact.check_engine`` requires."""
+
+    options: tuple[str, ...]
+    backend: str
+    impl: str
+
+
+VLLM_ATTENTION = {"flash_attention": VllmAttention(options=("auto", "flash_attn"), backend="FLASH_ATTN",
+                                                   impl="FlashAttentionImpl")}
+"""vLLM's side of each attention kernel of the exact contract (``precision.exact.ATTENTION_KERNEL``):
+the one place that names it (vLLM's pick on Hopper is FlashAttention 3)."""
 
 
 EngineOptions = Union[HfOptions, VllmOptions]

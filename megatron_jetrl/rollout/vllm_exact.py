@@ -44,7 +44,8 @@ from typing import Any, Mapping
 import torch
 
 from megatron_jetrl.ops.exact import custom_ops, ordered_sum, rope_inv_freq, vllm_kernels
-from megatron_jetrl.precision.exact import KV_PAGE, fp8_kv_query_chunk, ordered_tp_reduction
+from megatron_jetrl.precision.exact import ATTENTION_KERNEL, KV_PAGE, fp8_kv_query_chunk, ordered_tp_reduction
+from megatron_jetrl.rollout.settings import VLLM_ATTENTION
 
 _REPLACED = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
 
@@ -195,7 +196,7 @@ def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str
     KV cache, at most ``fp8_kv_query_chunk`` new tokens of a request per step (``precision.exact``)."""
     out = dict(kwargs)
     out["block_size"] = KV_PAGE
-    out["attention_config"] = {"backend": "FLASH_ATTN"}
+    out["attention_config"] = {"backend": VLLM_ATTENTION[ATTENTION_KERNEL].backend}
     if kwargs.get("quantization") and not kwargs.get("enforce_eager"):  # FP8 linears, compiled: fuse their input
         from megatron_jetrl.rollout.vllm_fusion import fusion_pass
 
@@ -259,7 +260,7 @@ def check_engine(worker: Any) -> dict[str, int]:
             wrong.append(f"{name}: block-FP8 GEMM {kernel}; the trainer's exact FProp calls {want}'s")
     for name, attention in counts.pop("attention_modules"):
         impl, got = attention.impl, getattr(attention.impl, "vllm_flash_attn_version", None)
-        if type(impl).__name__ != "FlashAttentionImpl" or got != kernels.fa_version:
+        if type(impl).__name__ != VLLM_ATTENTION[ATTENTION_KERNEL].impl or got != kernels.fa_version:
             wrong.append(f"{name}: attention {type(impl).__name__} (FlashAttention version {got}; the trainer's is "
                          f"{kernels.fa_version})")
         if str(attention.kv_cache_dtype).startswith("fp8"):  # q quantized by the exact op, passed with its scale
