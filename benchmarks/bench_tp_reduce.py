@@ -3,11 +3,12 @@
 Above TP 2 both sides of the exact rollout reduce a row-parallel output in one order
 (``ops.exact.ordered_sum``): every rank's partial result gathered, then summed in rank order in fp32.
 This measures what that costs against NCCL's collective for the same tensor, in one run on the same
-GPUs: the all-reduce (vLLM's decode, the trainer without sequence parallelism) against an all-gather
-plus ``ordered_sum``, and the reduce-scatter (the trainer with sequence parallelism) against an
-all-to-all plus ``ordered_sum``. Each time is CUDA-event timed over ``--iters`` calls after a warm-up,
-``--repeats`` times; the table gives the median and the range, and what the ordered reduction adds to
-a decode step of the whole model (two reductions a layer).
+GPUs, with the trainer's own ``actor.exact.ordered_reduce``: the all-reduce (vLLM's decode, the trainer
+without sequence parallelism) against an all-gather plus ``ordered_sum``, and the reduce-scatter (the
+trainer with sequence parallelism) against an all-to-all plus ``ordered_sum``. Each time is
+CUDA-event timed over ``--iters`` calls after a warm-up, ``--repeats`` times; the table gives the
+median and the range, and what the ordered reduction adds to a decode step of the whole model (two
+reductions a layer).
 
     torchrun --nproc-per-node 4 -m benchmarks.bench_tp_reduce [--models 8b,32b] [--cases decode,train,train-sp]
         [--repeats 5] [--iters 50] [--json OUT] [--headline PATH]
@@ -30,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_jetrl.ops.exact import ordered_sum
+from megatron_jetrl.actor.exact import ordered_reduce
 
 MODELS = {"8b": (4096, 36), "32b": (5120, 64)}
 """Model -> (hidden size, layers): Qwen3-8B's and Qwen3-32B's."""
@@ -66,17 +67,6 @@ def _usual(x: torch.Tensor, group, scatter: bool) -> torch.Tensor:
     return x
 
 
-def _ordered(x: torch.Tensor, group, scatter: bool) -> torch.Tensor:
-    tp = dist.get_world_size(group)
-    if scatter:
-        parts = torch.empty_like(x)
-        dist.all_to_all_single(parts, x, group=group)
-        return ordered_sum(parts.view(tp, x.shape[0] // tp, *x.shape[1:]))
-    parts = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(parts, x, group=group)
-    return ordered_sum(parts.view(tp, *x.shape))
-
-
 def _time_us(fn, x: torch.Tensor, iters: int, device: torch.device) -> float:
     """Microseconds a call, over ``iters`` calls (CUDA events on a GPU, wall clock elsewhere)."""
     for _ in range(3):
@@ -107,9 +97,11 @@ def measure(models: list[str], cases: list[str], repeats: int, iters: int, devic
             g = torch.Generator(device=device).manual_seed(dist.get_rank())
             x = torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16)
             nccl, ordered = [], []
+            usual = functools.partial(_usual, group=None, scatter=scatter)
+            exact = functools.partial(ordered_reduce, group=None, scatter=scatter)
             for _ in range(repeats):  # alternating, so that drift over the run hits both alike
-                nccl.append(_time_us(functools.partial(_usual, group=None, scatter=scatter), x, iters, device))
-                ordered.append(_time_us(functools.partial(_ordered, group=None, scatter=scatter), x, iters, device))
+                nccl.append(_time_us(usual, x, iters, device))
+                ordered.append(_time_us(exact, x, iters, device))
             out.append(Result(model, case, rows, hidden, tp, nccl, ordered))
     return out
 

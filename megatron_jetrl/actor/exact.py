@@ -183,21 +183,27 @@ def parallel_linear_input(input, *, what: str, gradient_accumulation_fusion: boo
     return input
 
 
+def ordered_reduce(x: torch.Tensor, group, *, scatter: bool) -> torch.Tensor:
+    """``ordered_tp_reduce``'s forward alone (no autograd): every rank's partial ``x`` gathered, then
+    ``ordered_sum``; with ``scatter`` only this rank's chunk of the first dim, exchanged all-to-all."""
+    tp, x = dist.get_world_size(group), x.contiguous()
+    if scatter:  # rank r gets rows r of tp equal chunks: block i of the exchange is rank i's partial of them
+        if x.shape[0] % tp:
+            raise ValueError(f"ordered_tp_reduce: {x.shape[0]} rows do not split into {tp} sequence-parallel "
+                             "chunks")
+        parts = torch.empty_like(x)
+        dist.all_to_all_single(parts, x, group=group)
+        return ordered_sum(parts.view(tp, x.shape[0] // tp, *x.shape[1:]))
+    parts = x.new_empty((tp * x.shape[0], *x.shape[1:]))
+    _all_gather_into(parts, x, group)
+    return ordered_sum(parts.view(tp, *x.shape))
+
+
 class _OrderedReduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, scatter: bool):
         ctx.group, ctx.scatter = group, scatter
-        tp, x = dist.get_world_size(group), x.contiguous()
-        if scatter:  # rank r gets rows r of tp equal chunks: block i of the exchange is rank i's partial of them
-            if x.shape[0] % tp:
-                raise ValueError(f"ordered_tp_reduce: {x.shape[0]} rows do not split into {tp} sequence-parallel "
-                                 "chunks")
-            parts = torch.empty_like(x)
-            dist.all_to_all_single(parts, x, group=group)
-            return ordered_sum(parts.view(tp, x.shape[0] // tp, *x.shape[1:]))
-        parts = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-        _all_gather_into(parts, x, group)
-        return ordered_sum(parts.view(tp, *x.shape))
+        return ordered_reduce(x, group, scatter=scatter)
 
     @staticmethod
     def backward(ctx, dy):

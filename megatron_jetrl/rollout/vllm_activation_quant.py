@@ -108,17 +108,18 @@ def install(pow2_scales: bool, eps: float, exact: bool = False) -> None:
                                    "(use activation_quant=vllm)")
 
         def forward_native(self, x, scale=None, scale_ub=None, use_triton=False):
-            if self.jetrl_exact_static:
-                return self._exact_static(x, scale)
-            if not self.trainer_groups:
-                return super().forward_native(x, scale, scale_ub, use_triton)
-            return self._trainer(x)
+            return self._forward(super().forward_native, x, scale, scale_ub, use_triton)
 
         def forward_cuda(self, x, scale=None, scale_ub=None, use_triton=False):
+            return self._forward(super().forward_cuda, x, scale, scale_ub, use_triton)
+
+        def _forward(self, vllms, x, scale, scale_ub, use_triton):
+            """The exact static op, the trainer's 1x128 kernel, or else ``vllms`` (vLLM's own forward for
+            the platform it dispatched to)."""
             if self.jetrl_exact_static:
                 return self._exact_static(x, scale)
             if not self.trainer_groups:
-                return super().forward_cuda(x, scale, scale_ub, use_triton)
+                return vllms(x, scale, scale_ub, use_triton)
             return self._trainer(x)
 
         def _exact_static(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
