@@ -77,7 +77,9 @@ case "${1:-}" in
     ;;
   run)  # one more run on GPUs no lane uses (or whose lane is done), in the background: lanes.sh run GPUS "ARGS"
     [ -f $lanes/plan.sh ] || { echo "start the lanes first"; exit 1; }
-    n=$(ls $lanes/extra*.log 2>/dev/null | wc -l)
+    # the run's number, claimed atomically (mkdir): runs queued by `after` may start at the same moment
+    n=0; while ! mkdir "$lanes/extra$n.claimed" 2>/dev/null; do n=$((n + 1)); done
+    : >"$lanes/extra$n.log"  # `wait` sees the run from here on
     # shellcheck disable=SC2016  # expanded by the started shell
     setsid nohup bash -c "cd '$PWD' && CUDA_VISIBLE_DEVICES=$2 JETRL_VLLM_OUT=/tmp/vllm_gpu_out/extra$n \
       bash hosts/offline/vllm.sh $3 >$lanes/extra$n.log 2>&1; echo \"lane rc=\$?\" >>$lanes/extra$n.log" \
