@@ -1,7 +1,9 @@
 """Who holds the GPU: the actor while it trains, the rollout engine while it generates.
 
 With ``rollout.offload_actor`` (colocation) the actor's parameters and optimizer state wait in
-host memory while the engine generates, and the engine sleeps while the actor trains. A weight
+host memory while the engine generates, and the engine sleeps while the actor trains. Only what
+the engine's wake needs leaves the GPU (``engine.wake_bytes()``; the engine's start, which sizes
+its KV cache, has the whole actor off it): a GPU with room for both copies nothing. A weight
 sync wakes only the engine's weights; its KV cache comes back when the actor has left the GPU. An
 engine whose sleep dropped its weights since the last sync (vLLM's level 2, e.g. a checkpoint
 after an evaluation) is synced again before it generates, while the actor is still on the GPU.
@@ -42,7 +44,7 @@ class Colocation:
             self.train_mode()
             self._sync()
         if self.offload_actor and not self._actor_offloaded:
-            self.actor.offload()
+            self.actor.offload(need=None if self._engine_awake else self.engine.wake_bytes())
             self._actor_offloaded = True
         if not self._engine_awake:
             self.engine.wake()

@@ -19,7 +19,7 @@
 # and the mismatch against CUTLASS's, so engine_fp8's launch too; the three before leave these out
 # and keep their length), engine-two (two GPUs), rl (the RL loop on vLLM; rl-exact: its
 # exact-mode runs only; rl-exact-kv: those with an FP8 KV cache), actor-close (the actor's close
-# frees its memory), exact (the exact rollout's one-GPU tests; exact-tiny / exact-8b: at the tiny
+# frees its memory), actor-offload (that and the actor's offload, whole and of a given need), exact (the exact rollout's one-GPU tests; exact-tiny / exact-8b: at the tiny
 # model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs; exact-four: at equal TP 4 and its negative
 # control, four GPUs; exact-grad: the exact update's gradient against the default's; exact-kv: with an FP8 KV cache;
 # exact-guard: the start-up self-check and the per-step guard against a fault put into the engine),
@@ -105,6 +105,7 @@ for t in $tests; do
     rl-exact) f=tests/gpu/test_rl_loop.py; k="fp8-exact or fp8kv-exact or vllm-exact" ;;
     rl-exact-kv) f=tests/gpu/test_rl_loop.py; k="fp8kv-exact or vllm-exact-kv" ;;
     actor-close) f=tests/gpu/test_actor.py; k="close_frees" ;;
+    actor-offload) f=tests/gpu/test_actor.py; k="offload or close_frees" ;;
     exact) f=tests/gpu/test_exact.py; k="not equal_tp_2 and not tp_4 and not gradient" ;;
     exact-tiny) f=tests/gpu/test_exact.py; k="not 8b_widths and not equal_tp_2 and not tp_4 and not gradient" ;;
     exact-grad) f=tests/gpu/test_exact.py; k="gradient" ;;

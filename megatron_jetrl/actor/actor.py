@@ -287,19 +287,20 @@ class Actor:
         shards = model_lib.named_shards(self.gpt, self.settings.precision, self.bridge.dims.num_layers)
         return {name: Shard(param, fp8) for name, (param, fp8) in shards.items()}
 
-    def offload(self) -> OffloadReport:
-        """Move parameters and optimizer state to pinned CPU memory and free gradients and FP8
-        caches, so the rollout engine can use the GPU; ``onload()`` undoes it."""
+    def offload(self, need: Optional[int] = None) -> OffloadReport:
+        """Free the FP8 caches, then free gradients and move optimizer state and parameters to pinned
+        CPU memory (in that order, ``offload.choose``) until the device has ``need`` bytes free (None:
+        all of them), so the rollout engine can use the GPU; ``onload()`` undoes it."""
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         for _, m in self._fp8_linears():
             m.fp8_cache.invalidate()
         state = self._state_tensors()
         released = self._memory.offload({
-            "params": (state["params"], True),
             "grads": (state["grads"], False),
             "optimizer": (state["optimizer"], True),
-        })
+            "params": (state["params"], True),
+        }, need=need)
         return OffloadReport(params_bytes=released["params"], grads_bytes=released["grads"],
                              optimizer_bytes=released["optimizer"], allocated_before=before,
                              allocated_after=torch.cuda.memory_allocated())

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal, Protocol, Sequence
+from typing import Iterable, Literal, Optional, Protocol, Sequence
 
 import torch
 
@@ -126,6 +126,12 @@ class RolloutEngine(Protocol):
 
     def wake(self) -> None:
         """Retake all GPU memory; ``generate`` needs an awake engine."""
+        ...
+
+    def wake_bytes(self) -> Optional[int]:
+        """GPU memory ``wake()`` may take at most, in bytes (0 when awake): what a colocated actor
+        leaves free for it. None where the engine cannot bound it (the actor then leaves the GPU
+        entirely)."""
         ...
 
     def close(self) -> None:

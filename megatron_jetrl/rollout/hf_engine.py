@@ -248,6 +248,10 @@ class HfEngine:
             self._restore_weights()
         self._awake = True
 
+    def wake_bytes(self) -> None:
+        """None: the KV cache grows with each ``generate``, so no bound is known before it runs."""
+        return None
+
     def close(self) -> None:
         if self._closed:
             return

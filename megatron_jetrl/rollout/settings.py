@@ -221,8 +221,9 @@ EngineOptions = Union[HfOptions, VllmOptions]
 class RolloutSettings:
     """``engine``: a key of ``engines.ENGINES`` (``hf``: transformers, this project's FP8 linears, rollout TP 1;
     ``vllm``: production). ``offload_actor``: while the engine generates, the actor's parameters and
-    optimizer state wait in host memory, and the engine sleeps while the actor trains (colocation;
-    turn off only when both fit on the GPU at once)."""
+    optimizer state wait in host memory, as much of them as the engine's wake needs, and the engine
+    sleeps while the actor trains (colocation; off only when both fit on the GPU at once, a
+    generation's transients included)."""
 
     engine: Literal["hf", "vllm"] = "hf"
     sampling: SamplingParams = field(default_factory=SamplingParams)

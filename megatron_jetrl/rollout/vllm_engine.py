@@ -45,6 +45,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -310,6 +311,7 @@ class VllmEngine:
             self.tp_rank = get_tensor_model_parallel_rank()
             """This rank's place in its rollout TP group: the ``rollout_rank`` whose shards it loads."""
             self._specs = self._on_worker(lambda worker: model_weight_specs(worker.get_model()))
+            self._weight_bytes = sum(math.prod(m.shape) * m.dtype.itemsize for m in self._specs.values())
             self._direct: Optional[DirectTargets] = None
             if options.weight_update == "in_place":
                 self._direct = self._on_worker(lambda worker: DirectTargets(worker.get_model()))
@@ -398,6 +400,15 @@ class VllmEngine:
         if tags:
             self._llm.wake_up(tags=tags)
             self._awake = {"weights": True, "kv_cache": True}
+
+    def wake_bytes(self) -> int:
+        """The engine's share of the GPU (``gpu_memory_utilization`` of its memory: weights, KV
+        cache, activations and CUDA graphs, as vLLM sized them at start) less the weights already
+        awake (a sync wakes them first); 0 when awake."""
+        if all(self._awake.values()):
+            return 0
+        share = int(self.options.gpu_memory_utilization * torch.cuda.mem_get_info()[1])
+        return max(0, share - (self._weight_bytes if self._awake["weights"] else 0))
 
     def close(self) -> None:
         """Release the engine's GPU memory. vLLM's own shutdown is not called: in-process under the

@@ -100,7 +100,7 @@ class FakeActor:
         return shard_state(self.bridge, self.settings.precision, self.full, self.settings.parallel,
                            dp_size=dp)[dist.get_rank()]
 
-    def offload(self):
+    def offload(self, need=None):
         self._check()
         self.offloaded = True
 
@@ -291,6 +291,9 @@ class DiscardingEngine:
 
     def wake(self):
         self.inner.wake()
+
+    def wake_bytes(self):
+        return self.inner.wake_bytes()
 
     def close(self):
         self.inner.close()

@@ -61,6 +61,11 @@ def hf_logprobs(model, batch: PackedBatch) -> torch.Tensor:
     return out
 
 
+def _moved(report) -> tuple[int, int, int]:
+    """The bytes an offload took off the GPU, by group (the FP8 caches, always freed, aside)."""
+    return report.params_bytes, report.grads_bytes, report.optimizer_bytes
+
+
 class Scenarios:
     def __init__(self, root: Path):
         self.root = root
@@ -345,6 +350,20 @@ class Scenarios:
             "fp8_identical": all(torch.equal(fp8_before[k], fp8_after[k]) for k in fp8_before),
             "offloaded_call_error": error,
         })
+        # only what a need asks for: the gradients (no copy) and some of the optimizer state
+        free = torch.cuda.mem_get_info()[0]
+        need = free + report.grads_bytes + report.optimizer_bytes // 2
+        partial = actor.offload(need=need)
+        free_partial = torch.cuda.mem_get_info()[0]
+        actor.onload()
+        self.record("offload_partial", {
+            "need": need, "free_after": free_partial, "grads_bytes": partial.grads_bytes,
+            "optimizer_bytes": partial.optimizer_bytes, "params_bytes": partial.params_bytes,
+            "optimizer_total": report.optimizer_bytes,
+            "logprobs_identical": bool(torch.equal(before, actor.compute_logprobs(batch).logprobs)),
+            "nothing_needed": sum(_moved(actor.offload(need=0))) == 0,
+        })
+        actor.onload()
         ckpt = self.root / "ckpt_same"
         actor.save(ckpt, extra={"note": "same-layout"})
         m1 = actor.update(batch, ppo_clip_loss_with_old(actor, batch))

@@ -93,6 +93,17 @@ def test_offload_frees_memory_and_restores_exactly(one_gpu):
     assert "offloaded" in r["offloaded_call_error"]
 
 
+def test_offload_with_a_need_moves_only_that_much(one_gpu):
+    """Colocated, the actor frees only what the engine's wake needs: the gradients (dropped, no
+    copy) first, then optimizer state until the need is met; the parameters stay; nothing at all
+    when the GPU already has room."""
+    _ok(one_gpu, "memory_and_checkpoint")
+    r = one_gpu["results"]["offload_partial"]
+    assert r["free_after"] >= r["need"], r
+    assert r["grads_bytes"] > 0 and 0 < r["optimizer_bytes"] < r["optimizer_total"] and r["params_bytes"] == 0, r
+    assert r["logprobs_identical"] and r["nothing_needed"], r
+
+
 def test_close_frees_the_actors_memory_even_with_references_left(one_gpu):
     """A colocated engine wakes its whole share right after the trainer closes its actor (at the end
     of a job): the actor's parameters, gradients and optimizer state must be freed then, even where

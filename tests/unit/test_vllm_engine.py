@@ -155,3 +155,18 @@ def test_trainer_quant_op_gives_the_scale_layouts_vllm_asks_for(m):
     qc, sc = compiled(x)
     assert sc.stride() == s4.stride() and torch.equal(sc, s4)
     torch.library.opcheck(op, (x, False, 0.0, 4))
+
+
+@pytest.mark.parametrize("awake, expected", [
+    ({"weights": True, "kv_cache": True}, 0),
+    ({"weights": False, "kv_cache": False}, 40 * 2**30),            # its whole share of the GPU
+    ({"weights": True, "kv_cache": False}, 40 * 2**30 - 3 * 2**30),  # less the weights a sync woke
+])
+def test_wake_bytes_is_the_engines_share_less_what_is_awake(monkeypatch, awake, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1, 100 * 2**30))
+    engine = object.__new__(VllmEngine)
+    engine.options, engine._awake = VllmOptions(gpu_memory_utilization=0.4), dict(awake)
+    engine._weight_bytes = 3 * 2**30
+    assert engine.wake_bytes() == expected
