@@ -288,7 +288,7 @@ class Trainer:
                 raise ExactMismatch(problem + "; the step's update was not applied and this step is not saved. "
                                     "Continue from the last checkpoint with precision.exact_mismatch=correct "
                                     "(such steps recompute and correct their old logprobs) or precision.exact=false")
-            self.console.log(f"WARNING: {problem}; recomputing this step's old logprobs and updating with "
+            self.console.warn(f"{problem}; recomputing this step's old logprobs and updating with "
                              f"algo.correction (mode {self.job.algo.correction.mode})")
             corrected, extra, _ = self.prepare_update(batch, recompute=True)
             metrics = {f"actor/{k}": v for k, v in self.actor.update(corrected, self.loss_fn).items()}

@@ -22,6 +22,7 @@ seconds entries share one ``|`` group. A metric absent this step shows as ``-``.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -217,6 +218,14 @@ class ConsoleView:
             print(message, flush=True)
         else:
             self._progress.console.print(message, markup=False, highlight=False)
+
+    def warn(self, message: str) -> None:
+        """A warning: ``WARNING: message``, shown also with the console view off (on stderr then),
+        since what it says changes what the run computes."""
+        if self._progress is not None:
+            self._progress.console.print(f"WARNING: {message}", markup=False, highlight=False)
+        else:
+            print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Stop the live display (leaves the final bars on screen). Idempotent."""

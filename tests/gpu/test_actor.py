@@ -93,14 +93,13 @@ def test_offload_frees_memory_and_restores_exactly(one_gpu):
     assert "offloaded" in r["offloaded_call_error"]
 
 
-def test_offload_with_a_need_moves_only_that_much(one_gpu):
-    """Colocated, the actor frees only what the engine's wake needs: the gradients (dropped, no
-    copy) first, then optimizer state until the need is met; the parameters stay; nothing at all
-    when the GPU already has room."""
+def test_offload_with_a_need_restores_exactly(one_gpu):
+    """Colocated, the actor frees only what the engine's wake needs (which storages, at sizes where
+    device memory frees as they go: tests/gpu/test_offload_gpu.py); what a partial offload moved comes
+    back exactly, and a need the GPU already has moves nothing."""
     _ok(one_gpu, "memory_and_checkpoint")
     r = one_gpu["results"]["offload_partial"]
-    assert r["free_after"] >= r["need"], r
-    assert r["grads_bytes"] > 0 and 0 < r["optimizer_bytes"] < r["optimizer_total"] and r["params_bytes"] == 0, r
+    assert r["covered"] and 0 < r["moved"] <= r["moved_all"], r
     assert r["logprobs_identical"] and r["nothing_needed"], r
 
 

@@ -84,7 +84,7 @@ def test_with_exact_mismatch_correct_the_steps_off_are_corrected(tmp_path):
 
 
 def test_without_a_fault_every_step_is_exact(tmp_path):
-    proc, steps = _run(tmp_path, 0)
+    proc, steps = _run(tmp_path, 0, "log.console=true")  # the self-check's line is the console's
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["rollout_corr/unequal_tokens"] == 0 and m["exact/corrected_step"] == 0 for m in steps)

@@ -405,7 +405,8 @@ def _trainer_double(exact: bool, update_logprobs: torch.Tensor, overrides=(), re
                              sync=SimpleNamespace(sync=lambda shards, engine, kv_scales: synced.append(kv_scales)),
                              colocation=SimpleNamespace(synced=lambda: None), synced=synced, step=7,
                              engine_description="vllm engine, vLLM 0.32.0", _any_rank=lambda flag: flag,
-                             console=SimpleNamespace(log=logged.append), logged=logged)
+                             console=SimpleNamespace(log=logged.append, warn=lambda m: logged.append(f"WARNING: {m}")),
+                             logged=logged)
     double._exact_mismatch_line = lambda mismatch: Trainer._exact_mismatch_line(double, mismatch)
     double.prepare_update = lambda batch, **kw: Trainer.prepare_update(double, batch, **kw)
     return double

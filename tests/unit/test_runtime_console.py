@@ -90,6 +90,12 @@ def test_disabled_view_is_silent(capsys):
     assert capsys.readouterr().out == "" and buf.getvalue() == ""
 
 
+def test_a_warning_shows_also_with_the_view_off(capsys):
+    view = ConsoleView(3, enabled=False)
+    view.warn("precision.exact: at step 2 ...")
+    assert capsys.readouterr().err == "WARNING: precision.exact: at step 2 ...\n"
+
+
 def test_phase_timer_accumulates_and_syncs():
     syncs = []
     timer = PhaseTimer(sync=lambda: syncs.append(1))
