@@ -24,7 +24,8 @@ starts (``engine_start_warm_s``, their median) find vLLM's torch.compile artifac
 kernels in their on-disk caches (VLLM_CACHE_ROOT), as an RL job's restart does; ``engine_start_s`` is
 the first start, cold on a fresh machine. ``--cold-start`` starts it ``--cold-start-repeats`` times
 more with empty caches (``COLD_CACHES``), as a first start on a new machine
-(``vllm_engine_start_cold_s``: their median; without it, the run's first start).
+(``vllm_engine_start_cold_s``: their median; without it, no cold figure: a run's first start may find
+caches an earlier run on the machine filled).
 
 sync: the trainer's shards of the whole 8B model at TP 1 (random BF16 + their FP8 FProp weights),
 synced into an FP8 engine: ``in_place`` (the copy kernels write into vLLM's parameters),
@@ -686,13 +687,14 @@ def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Fig
                     f"the default {default} engine: DeepGEMM, the trainer's activation quantization, vLLM's "
                     "kernels elsewhere (the same invocation and GPU)"), e)
     default = next((decode[m] for m in ("fp8-deep_gemm", "fp8") if m in decode), None)  # the engine's GEMM first
-    if default is not None:  # warm starts (decode --warm-start, in the figure's command) and the first one apart
+    if default is not None:  # warm starts (decode --warm-start) and cold ones (--cold-start), each measured as such
         warm = default.get("engine_start_warm_s_all") or (
             [default["engine_start_warm_s"]] if "engine_start_warm_s" in default else [])
         if warm:
             out["vllm_engine_start_s"] = (Figure.of(warm), default)
-        cold = default.get("engine_start_cold_s_all") or [default["engine_start_s"]]  # else the run's first start
-        out["vllm_engine_start_cold_s"] = (Figure.of(cold), default)
+        # only starts with empty caches: a run's first start may find the JIT cache an earlier run filled
+        if default.get("engine_start_cold_s_all"):
+            out["vllm_engine_start_cold_s"] = (Figure.of(default["engine_start_cold_s_all"]), default)
     return out
 
 

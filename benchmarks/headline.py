@@ -69,7 +69,7 @@ KEYS = {  # key -> (what it is, target or "")
                             "without it), Qwen3-8B × 36, CUDA graphs, seconds, from a warm compile/JIT cache "
                             "(decode --warm-start)", "≤ 60 s"),
     "vllm_engine_start_cold_s": ("that engine's start with empty compile/JIT caches (vLLM's compile, DeepGEMM's "
-                                 "JIT), seconds: decode --cold-start's starts, else the run's first one", ""),
+                                 "JIT), seconds: decode --cold-start's starts", ""),
     "vllm_k3_fp8_8b6": ("engine-vs-trainer k3 KL, unified FP8, default engine, 8B widths × 6", ""),
     "vllm_k3_mixed_8b6": ("the same, BF16-train + FP8-rollout (the off-policy recipe)", ""),
     "vllm_k3_bf16_8b6": ("the same, BF16", ""),
@@ -208,11 +208,23 @@ def update(path: str | Path, figures: Mapping[str, Figure], *, device: str, comm
     return data
 
 
+def portable_command(command: str) -> str:
+    """A recorded command with its output locations as placeholders (``portable_argv``): entries
+    recorded before commands were made portable carry a GPU host's paths."""
+    words = shlex.split(command)
+    module = words.index("-m") + 2 if "-m" in words else len(words)
+    portable = words[:module] + portable_argv(words[module:])
+    return command if portable == words else shlex.join(portable)  # as recorded where nothing changes
+
+
 def _write(path: Path, data: Mapping) -> None:
-    """The headline file, keys sorted (those ``KEYS`` no longer lists dropped), replaced atomically."""
+    """The headline file, keys sorted (those ``KEYS`` no longer lists dropped), every command portable
+    (``portable_command``), replaced atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({k: v for k, v in sorted(data.items()) if k in KEYS}, indent=1) + "\n")
+    entries = {k: ({**v, "command": portable_command(v["command"])} if "command" in v else v)
+               for k, v in sorted(data.items()) if k in KEYS}
+    tmp.write_text(json.dumps(entries, indent=1) + "\n")
     os.replace(tmp, path)
 
 
