@@ -424,7 +424,7 @@ def _check_exact(job: JobConfig) -> None:
          f"the exact rollout runs at TP up to {EXACT_MAX_TP} (both sides reduce in one order): set "
          f"actor.parallel.tp={EXACT_MAX_TP} or less"),
         ("actor.parallel.pp", par.pp, par.pp <= EXACT_MAX_PP,
-         f"the exact rollout is verified at PP {EXACT_MAX_PP}: set actor.parallel.pp={EXACT_MAX_PP}"),
+         f"the exact rollout is verified at PP up to {EXACT_MAX_PP}: set actor.parallel.pp={EXACT_MAX_PP} or less"),
         *(job.rollout.options.exact_rules(par.tp) if kind.exact else []),
         ("algo.correction.mode", job.algo.correction.mode,
          job.algo.correction.mode == "none" or job.precision.exact_mismatch == "correct",

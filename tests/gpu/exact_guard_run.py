@@ -6,10 +6,7 @@ with weights one E4M3 step off the trainer's in a few places and its logprobs ar
 0 changes nothing.
 
     python tests/gpu/exact_guard_run.py --perturb-from N -- CONFIG key=value ...   (exits with jetrl's status)
-    torchrun --nproc-per-node 2 tests/gpu/exact_guard_run.py --perturb-from 0 --allow-pp 2 -- CONFIG ...
-
-``--allow-pp N`` lets the job's config take an exact rollout at trainer PP N, which the contract does not
-list yet (``precision.exact.EXACT_MAX_PP``): the GPU test that would let it.
+    torchrun --nproc-per-node 2 tests/gpu/exact_guard_run.py --perturb-from 0 -- CONFIG ...
 """
 
 from __future__ import annotations
@@ -55,14 +52,9 @@ def perturbing(perturb_from: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--perturb-from", type=int, required=True)
-    ap.add_argument("--allow-pp", type=int, default=None)
     ap.add_argument("train", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     perturbing(args.perturb_from)
-    if args.allow_pp is not None:
-        from megatron_jetrl.job import config
-
-        config.EXACT_MAX_PP = args.allow_pp
     return cli.main(["train", *[a for a in args.train if a != "--"]])
 
 

@@ -8,8 +8,7 @@ differ from the trainer's, and
   logprobs, apply the configured correction and go on (``exact/corrected_step`` 1), exit 0;
 - the negative control: no fault, every step exact (``rollout_corr/unequal_tokens`` 0, none corrected).
 With the guard as the check, on two GPUs: several rollout replicas (trainer DP 2, one engine a rank)
-and trainer pipeline stages (PP 2, an engine unstaged on each rank; a layout the contract does not
-list yet, let in by ``--allow-pp``) run every step exact.
+and trainer pipeline stages (PP 2, an engine unstaged on each rank) run every step exact.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ EXACT = ("rollout.engine=vllm", "precision.mode=fp8", "precision.exact=true", "r
          "run.eval_every=0", "sft.steps=0", "log.console=false")
 
 
-def _run(tmp_path: Path, perturb_from: int, *overrides: str, nproc: int = 1,
-         allow_pp: int | None = None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _run(tmp_path: Path, perturb_from: int, *overrides: str,
+         nproc: int = 1) -> tuple[subprocess.CompletedProcess, list[dict]]:
     run_dir = tmp_path / "run"
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(nproc))).split(",")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus[:nproc]))
@@ -42,8 +41,7 @@ def _run(tmp_path: Path, perturb_from: int, *overrides: str, nproc: int = 1,
     env.pop("WORLD_SIZE", None)
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={nproc}"]
-    allow = [] if allow_pp is None else ["--allow-pp", str(allow_pp)]
-    proc = subprocess.run([*launcher, str(RUN), "--perturb-from", str(perturb_from), *allow, "--", str(CONFIG),
+    proc = subprocess.run([*launcher, str(RUN), "--perturb-from", str(perturb_from), "--", str(CONFIG),
                            f"run.dir={run_dir}", *EXACT, *overrides], env=env, capture_output=True, text=True,
                           timeout=900)
     (tmp_path / "run.log").write_text(proc.stdout + proc.stderr)
@@ -113,7 +111,7 @@ def test_several_rollout_replicas_are_exact(tmp_path):
 
 def test_trainer_pipeline_stages_are_exact(tmp_path):
     """Trainer PP 2 (two stages, the last one holding the LM head and the logprob), an engine unstaged on
-    each rank (rollout TP 1): the per-layer math is the same, so every step must be exact; passing lets
-    precision.exact.EXACT_MAX_PP be 2."""
+    each rank (rollout TP 1): the per-layer math is the same, so every step must be exact (what lets
+    precision.exact.EXACT_MAX_PP be 2)."""
     _two_gpus()
-    _every_step_exact(*_run(tmp_path, 0, "actor.parallel.pp=2", nproc=2, allow_pp=2))
+    _every_step_exact(*_run(tmp_path, 0, "actor.parallel.pp=2", nproc=2))

@@ -258,7 +258,7 @@ def test_an_exact_job_loads_and_round_trips():
     ("actor.parallel.tp=16 rollout.vllm.tensor_parallel_size=16", "actor.parallel.tp"),
     ("actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size"),
     ("rollout.vllm.tensor_parallel_size=2", "rollout.vllm.tensor_parallel_size"),
-    ("actor.parallel.pp=2", "actor.parallel.pp"),
+    ("actor.parallel.pp=4", "actor.parallel.pp"),
     ("rollout.vllm.activation_quant=vllm", "rollout.vllm.activation_quant"),
     ("rollout.vllm.attention_backend=triton_attn", "rollout.vllm.attention_backend"),
     ("algo.correction.mode=token_tis", "algo.correction.mode"),
