@@ -14,6 +14,7 @@
 // rms_norm_quant_kernel fuses the norm with the 1x128 FP8 quantization of its output (the codes and
 // scales quantize_cuda.cu makes from the plain kernel's output, shared through quantize_cuda.cuh);
 // qk_norm_rope_kernel fuses the q/k norms with the rotary embedding (rope_cuda.cuh's arithmetic).
+// rms_norm_head_kernel computes rows of 128 values (a head) with that order, a warp a row.
 // Nothing depends on blockIdx beyond the row's address, so a row gets the same bits alone or among
 // thousands. At decode sizes (a hundred rows, one block each) a row is bound by memory latency, so each
 // lane issues all its loads before it sums, and rms_norm_quant's second pass reads the row back from
@@ -125,6 +126,45 @@ __global__ void __launch_bounds__(kNormLanes)
   for (int64_t c = t; c < H; c += kNormLanes) yr[c] = normed_value<T>(C::to_float(in[c]), inv, w[c]);
 }
 
+// Rows of exactly 128 values (the q/k norms of a head, head dim 128), a warp a row and four rows a block:
+// lane l holds columns l, l + 32, l + 64, l + 96, i.e. the values of the block-per-row kernel's lanes l,
+// l + 32, l + 64, l + 96 (one column each), and adds them as that kernel's tree pairs those lanes: s = 64
+// gives (l) + (l + 64) and (l + 32) + (l + 96), s = 32 adds those two, and s = 16 .. 1 is the same
+// __shfl_down_sync. The same bits with a quarter of the blocks and four values a lane (a training
+// micro-batch's q/k norms are hundreds of thousands of such rows).
+template <typename T>
+__global__ void __launch_bounds__(kNormLanes)
+    rms_norm_head_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int64_t R,
+                         int64_t x_stride, float eps) {
+  using C = Round<T>;
+  constexpr int kRowsPerBlock = kNormLanes / kWarp;
+  const int l = threadIdx.x % kWarp;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  if (row >= R) return;  // a whole warp: the shuffles below involve its own lanes only
+  const T* xr = x + row * x_stride;
+  T* yr = y + row * kNormLanes;
+  T xs[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) xs[m] = xr[l + m * kWarp];
+  float acc[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const float v = C::to_float(xs[m]);
+    acc[m] = __fadd_rn(0.0f, __fmul_rn(v, v));
+  }
+  float sum = __fadd_rn(__fadd_rn(acc[0], acc[2]), __fadd_rn(acc[1], acc[3]));
+#pragma unroll
+  for (int s = 16; s >= 1; s /= 2) sum = __fadd_rn(sum, __shfl_down_sync(kFull, sum, s));
+  float inv = 0.0f;
+  if (l == 0) {
+    const float mean = __fdiv_rn(sum, static_cast<float>(kNormLanes));
+    inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  }
+  inv = __shfl_sync(kFull, inv, 0);
+#pragma unroll
+  for (int m = 0; m < 4; ++m) yr[l + m * kWarp] = normed_value<T>(C::to_float(xs[m]), inv, w[l + m * kWarp]);
+}
+
 // The norm fused with the 1x128 quantization of its output (the exact forward's norm before an FP8
 // linear): row_inv_rms keeps the row's input values (x's, or the rounded sums) in shared memory, then
 // warp k encodes groups k, k + 4, ... (lane l: columns 4l .. 4l + 3 of the group), each value the
@@ -220,6 +260,10 @@ void launch_typed(const RmsNormArgs& a, cudaStream_t stream) {
     rms_norm_kernel<T, true><<<blocks, kNormLanes, 0, stream>>>(x, w, y, static_cast<const T*>(a.residual),
                                                                 static_cast<T*>(a.total), a.H, a.x_stride,
                                                                 a.r_stride, a.eps);
+  } else if (a.H == kNormLanes) {
+    constexpr int64_t kRowsPerBlock = kNormLanes / kWarp;
+    const auto head_blocks = static_cast<unsigned>((a.R + kRowsPerBlock - 1) / kRowsPerBlock);
+    rms_norm_head_kernel<T><<<head_blocks, kNormLanes, 0, stream>>>(x, w, y, a.R, a.x_stride, a.eps);
   } else {
     rms_norm_kernel<T, false><<<blocks, kNormLanes, 0, stream>>>(x, w, y, nullptr, nullptr, a.H, a.x_stride, 0, a.eps);
   }

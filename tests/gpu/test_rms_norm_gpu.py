@@ -64,14 +64,15 @@ def test_reference_on_cuda_equals_reference_on_cpu(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("eps", [1e-6, 1e-5, 0.0])
-def test_zero_and_nonfinite_rows_match_cpu_reference(dtype, eps):
-    x = wide_range((64, 4096), dtype, seed=22)
+@pytest.mark.parametrize("H", [128, 4096])  # 128: the warp-a-row kernel of head-sized rows
+def test_zero_and_nonfinite_rows_match_cpu_reference(dtype, eps, H):
+    x = wide_range((65, H), dtype, seed=22)
     x[1] = 0.0
     x[2] = -0.0
     x[3, 17] = float("nan")
-    x[4, 4000] = float("inf")
+    x[4, H - 96] = float("inf")
     x[5] = torch.finfo(dtype).max
-    w = weight_for(4096, dtype, 23)
+    w = weight_for(H, dtype, 23)
     y = rms_norm(x.cuda(), w.cuda(), eps)
     assert_same_bits(y, rms_norm_reference(x, w, eps), f"{dtype} eps={eps}")
     if eps > 0:
@@ -95,6 +96,17 @@ def test_strided_rows_and_leading_dims(dtype):
         y = rms_norm(xc, w.cuda(), 1e-6)
         assert y.shape == x.shape and y.is_contiguous()
         assert_same_bits(y, rms_norm_reference(x, w, 1e-6), f"shape {tuple(x.shape)} strides {x.stride()}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_heads(dtype):
+    """The trainer's q/k norms: head rows of 128 inside a packed QKV row (row stride 6,144)."""
+    qkv = wide_range((301, 48 * 128), dtype, seed=28)
+    w = weight_for(128, dtype, 29)
+    x, xc = qkv[:, 128:256], qkv.cuda()[:, 128:256]
+    assert_same_bits(rms_norm(xc, w.cuda(), 1e-6), rms_norm_reference(x, w, 1e-6), "a head's column block")
+    heads, heads_c = qkv[:, : 40 * 128].view(301, 40, 128), qkv.cuda()[:, : 40 * 128].view(301, 40, 128)
+    assert_same_bits(rms_norm(heads_c, w.cuda(), 1e-6), rms_norm_reference(heads, w, 1e-6), "q and k heads")
 
 
 def test_unaligned_rows():
