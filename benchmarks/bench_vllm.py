@@ -636,6 +636,12 @@ def table(args) -> str:
                 headline["rl_step_exact_over_default"] = (
                     exact.against(f"the default FP8 step ({gemm}; with its logprob recompute), the same run")
                     .noted(layers_note), step["fp8-exact"])
+        retried = {mode: {phase: counts for phase, counts in r.get("alloc_retries_per_step", {}).items()
+                          if any(c for c in counts if c == c)} for mode, r in step.items()}
+        for mode, phases_retried in retried.items():
+            if phases_retried:  # the caching allocator at the GPU's limit: a cause of wall time without kernels
+                lines.append(f"{mode:>17} allocation retries a timed step: " + ", ".join(
+                    f"{phase} {'/'.join(f'{c:.0f}' for c in counts)}" for phase, counts in phases_retried.items()))
         for mode, r in step.items():
             if "profile" in r:
                 lines.extend(profile_lines(mode, r["profile"]))

@@ -58,7 +58,8 @@ def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
         vals = [r[key] for r in rs if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else float("nan")
 
-    memory_keys = sorted({k for r in train for k in r if k.startswith("memory/")})
+    memory_keys = sorted({k for r in train for k in r if k.startswith("memory/") and k.endswith("_gib")})
+    retry_keys = sorted({k for r in train for k in r if k.startswith("memory/") and k.endswith("_alloc_retries")})
     return {
         "run": path.name.replace(".metrics.jsonl", ""),
         "steps": len(train),
@@ -78,6 +79,8 @@ def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
         "entropy": mean("actor/entropy", train),
         "memory_gib": {k[len("memory/"):-len("_gib")]: max(r[k] for r in train if r.get(k) is not None)
                        for k in memory_keys},
+        "alloc_retries_per_step": {k[len("memory/"):-len("_alloc_retries")]: [r.get(k, float("nan")) for r in warm]
+                                   for k in retry_keys},
         "loss_finite": all(r.get("actor/loss") is not None for r in train),
     }
 

@@ -177,9 +177,12 @@ def test_table_ratios_and_headline(tmp_path):
                 "command": "python -m benchmarks.bench_vllm step", **more}
 
     (work / "step.json").write_text(json.dumps({
-        "fp8": run([3.2, 3.0, 3.3], profile=profile), "bf16": run([4.0, 4.0, 4.2]), "fp8kv": run([2.5, 2.4, 2.6])}))
+        "fp8": run([3.2, 3.0, 3.3], profile=profile, alloc_retries_per_step={"update": [0.0, 4.0, 2.0]}),
+        "bf16": run([4.0, 4.0, 4.2], alloc_retries_per_step={"update": [0.0, 0.0, 0.0]}),
+        "fp8kv": run([2.5, 2.4, 2.6])}))
     headline = tmp_path / "headline.json"
     text = _table(work, headline)
+    assert "fp8 allocation retries a timed step: update 0/4/2" in text and "bf16 allocation retries" not in text
     assert "1.20x" in text and "1.60x" in text  # 256x4096: fp8 600/500, fp8kv 800/500
     assert "fp8-deep_gemm/bf16" in text and "1.40x" in text  # DeepGEMM 700/500
     data = json.loads(headline.read_text())

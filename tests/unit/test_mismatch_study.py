@@ -63,7 +63,11 @@ def test_summary_and_tables(tmp_path):
     rows[0]["timing/step_s"] = 100.0  # step 1 (warm-up) is left out of the timing means
     rows[3]["memory/update_peak_allocated_gib"] = 7.0
     rows[5]["memory/update_peak_allocated_gib"] = 9.0
+    for row in rows:
+        if "timing/step_s" in row:
+            row["memory/update_alloc_retries"] = float(row["step"] % 3)
     s = study.summarise(_write(tmp_path / "fp8__none.metrics.jsonl", rows))
+    assert s["alloc_retries_per_step"] == {"update": [float(step % 3) for step in range(2, 21)]}  # timed: 2..
     assert s["steps"] == 20
     assert s["reward_first10"] == pytest.approx(sum(range(1, 11)) / 10 / 100)
     assert s["reward_last10"] == pytest.approx(sum(range(11, 21)) / 10 / 100)
