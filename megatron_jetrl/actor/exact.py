@@ -44,7 +44,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from megatron_jetrl.ops.exact import (KvPages, VllmKernels, kv_pages, ordered_sum, paged_kv, query_chunks, rope,
+from megatron_jetrl.ops.exact import (KvPages, VllmKernels, kv_pages, ordered_sum, paged_kv, query_segments, rope,
                                       rope_inv_freq, silu_mul, static_fp8_quant)
 from megatron_jetrl.precision.exact import ExactUnavailable, fp8_kv_query_chunk
 from megatron_jetrl.ops.rms_norm import rms_norm
@@ -264,7 +264,7 @@ class _ExactAttentionFn(torch.autograd.Function):
             q_scale, k_scale, v_scale = kv_scales[0:1], kv_scales[1:2], kv_scales[2:3]
             k_pages, v_pages = kernels.fp8_pages(k.contiguous(), v.contiguous(), pages, k_scale, v_scale)
             chunk = fp8_kv_query_chunk(q.shape[1], k.shape[1])  # the kernel vLLM's steps run (precision.exact)
-            cu_q, used, table = query_chunks(cu_seqlens, pages, q.shape[0], chunk)
+            cu_q, used, table = query_segments(cu_seqlens, pages.seqused_k, pages.block_table, q.shape[0], chunk)
             out, lse = kernels.paged_attention(static_fp8_quant(q.contiguous(), q_scale), k_pages, v_pages, cu_q,
                                                used, table, max_seqlen, scale, descales=(q_scale, k_scale, v_scale),
                                                out_dtype=q.dtype, max_seqlen_q=min(chunk, max_seqlen))

@@ -552,8 +552,8 @@ class Resolved:
     memory: Any
 
     def _exact_note(self, job: JobConfig) -> str:
-        """The precision line's note on an exact rollout: with an FP8 KV cache the engine prefills a
-        prompt a few tokens a step (``precision.exact.FP8_KV_QUERY_ROWS``), which a user should know."""
+        """The precision line's note on an exact rollout: with an FP8 KV cache, the query segments its
+        attention runs in on both sides (``precision.exact.FP8_KV_QUERY_ROWS``)."""
         if not job.precision.exact:
             why_not = job.precision.exact_auto
             return f", not exact (precision.exact=auto: {why_not})" if why_not else ""
@@ -561,8 +561,8 @@ class Resolved:
         if not job.rollout.fp8_kv_cache:
             return f", exact rollout ({status})"
         d = self.bridge.dims
-        return (f", exact rollout with an FP8 KV cache (vLLM prefills a prompt "
-                f"{fp8_kv_query_chunk(d.num_heads, d.num_groups)} tokens a step; {status})")
+        return (f", exact rollout with an FP8 KV cache (attention in segments of "
+                f"{fp8_kv_query_chunk(d.num_heads, d.num_groups)} queries; {status})")
 
     @staticmethod
     def _rollout_gemm_note(job: JobConfig) -> str:

@@ -491,27 +491,32 @@ def kv_pages(cu_seqlens: torch.Tensor, positions_T: torch.Tensor, max_seqlen: in
     return KvPages(slots, table.to(torch.int32), lens.to(torch.int32), num_pages, page)
 
 
-def query_chunks(cu_seqlens: torch.Tensor, pages: KvPages, tokens: int, chunk: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A packed batch's queries as segments of at most ``chunk`` consecutive tokens of one sequence,
-    each attending to its sequence's pages up to its last token (what vLLM's steps see when it
-    schedules at most ``chunk`` new tokens of a request at a time). Returns (cu_seqlens_q [N + 1]
-    int32, seqused_k [N] int32, block_table [N, max pages] int32) for a fixed N = T // chunk + S:
-    segments past the last are empty (no host synchronization)."""
-    seqs = cu_seqlens.numel() - 1
-    device = cu_seqlens.device
-    starts, lens = cu_seqlens[:-1].to(torch.int64), (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+def query_segments(cu_q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, tokens: int,
+                   chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's queries as segments of at most ``chunk`` consecutive tokens of one sequence, each
+    attending to its sequence's keys up to its last token: one FlashAttention call whose every
+    segment is a decode-sized query (``precision.exact.FP8_KV_QUERY_ROWS``), so a prefill runs the
+    kernel a decode step runs. ``cu_q`` [S + 1] (the sequences' query tokens, packed), ``seq_lens`` [S]
+    (each sequence's keys including its queries: a query's context is ``seq_lens - its query
+    length``, 0 for the trainer's packed sequences, the cached tokens for vLLM's), ``block_table``
+    [S, pages]. Returns (cu_seqlens_q [N + 1] int32, seqused_k [N] int32, block_table [N, pages]) for a
+    fixed N = tokens // chunk + S: segments past the last are empty (no host synchronization). The
+    trainer's FP8 attention and vLLM's (``rollout.vllm_exact``) both segment with this."""
+    seqs = cu_q.numel() - 1
+    device = cu_q.device
+    starts, lens = cu_q[:-1].to(torch.int64), (cu_q[1:] - cu_q[:-1]).to(torch.int64)
+    context = seq_lens[:seqs].to(torch.int64) - lens
     per_seq = (lens + chunk - 1) // chunk
     ends = torch.cumsum(per_seq, 0)
     segments = tokens // chunk + seqs
     index = torch.arange(segments, device=device)
     seq = torch.searchsorted(ends, index, right=True).clamp_(max=seqs - 1)
     real = index < ends[-1]
-    offset = (index - (ends[seq] - per_seq[seq])) * chunk  # the segment's first position in its sequence
+    offset = (index - (ends[seq] - per_seq[seq])) * chunk  # the segment's first query in its sequence
     first = torch.where(real, starts[seq] + offset, tokens)
-    used = torch.where(real, torch.minimum(offset + chunk, lens[seq]), 0)
-    cu_q = torch.cat([first, torch.full((1,), tokens, dtype=torch.int64, device=device)])
-    return cu_q.to(torch.int32), used.to(torch.int32), pages.block_table[seq]
+    used = torch.where(real, context[seq] + torch.minimum(offset + chunk, lens[seq]), 0)
+    cu_out = torch.cat([first, torch.full((1,), tokens, dtype=torch.int64, device=device)])
+    return cu_out.to(torch.int32), used.to(torch.int32), block_table[seq]
 
 
 def paged_kv(k_THD: torch.Tensor, v_THD: torch.Tensor,

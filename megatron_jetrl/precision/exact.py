@@ -49,8 +49,8 @@ blocks when a call's longest query times its query heads per KV head is at most 
 warpgroup), else with 128 x 160 tiles: the keys are then summed in other blocks and the FP8
 probabilities round differently, so a decode step and a prefill would not agree. (Over a BF16
 cache both kernels take 128-key blocks.) With an FP8 KV cache the exact mode keeps every call on the
-first kernel: the engine schedules at most ``fp8_kv_query_chunk`` new tokens of a request per step
-and the trainer attends in chunks of that many queries."""
+first kernel: both sides attend in segments of at most ``fp8_kv_query_chunk`` queries of one sequence
+(``ops.exact.query_segments``; vLLM's through ``rollout.vllm_exact.fp8_kv_segmented``)."""
 
 EXACT_MAX_TP = 8
 """The largest tensor parallelism an exact rollout runs at (equal on both sides): the row-parallel

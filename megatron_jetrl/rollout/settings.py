@@ -200,16 +200,19 @@ class VllmOptions:
 @dataclass(frozen=True)
 class VllmAttention:
     """How vLLM runs one attention kernel of the exact contract: the ``rollout.vllm.attention_backend``
-    values that pick it, the backend an exact engine asks for, and the class of its layers' ``impl``
-    that ``vllm_exact.check_engine`` requires."""
+    values that pick it, the backend an exact engine asks for, the class of its layers' ``impl``
+    that ``vllm_exact.check_engine`` requires, and its metadata builder (``module:class``), whose
+    batches an FP8 KV cache's exact attention cuts into decode-sized query segments."""
 
     options: tuple[str, ...]
     backend: str
     impl: str
+    builder: str
 
 
-VLLM_ATTENTION = {"flash_attention": VllmAttention(options=("auto", "flash_attn"), backend="FLASH_ATTN",
-                                                   impl="FlashAttentionImpl")}
+VLLM_ATTENTION = {"flash_attention": VllmAttention(
+    options=("auto", "flash_attn"), backend="FLASH_ATTN", impl="FlashAttentionImpl",
+    builder="vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder")}
 """vLLM's side of each attention kernel of the exact contract (``precision.exact.ATTENTION_KERNEL``):
 the one place that names it (vLLM's pick on Hopper is FlashAttention 3)."""
 

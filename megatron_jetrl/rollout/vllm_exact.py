@@ -21,9 +21,11 @@ How:
   kernel, as the default engine fuses them.
 - With an FP8 KV cache, the query's static quantization runs ``jetrl::static_fp8_quant``
   (``vllm_activation_quant.install(exact=True)``); vLLM's cache kernel writes K/V as usual, and the trainer's
-  attention calls that same kernel. vLLM schedules at most ``precision.exact.fp8_kv_query_chunk`` new
-  tokens of a request per step, which keeps FlashAttention's FP8 kernel on one tile shape
-  (``precision.exact.FP8_KV_QUERY_ROWS``); the trainer attends in chunks of as many queries.
+  attention calls that same kernel. The attention metadata of a step with longer queries is cut
+  into segments of at most ``precision.exact.fp8_kv_query_chunk`` queries of a request
+  (``fp8_kv_segmented``, ``ops.exact.query_segments``), which keeps FlashAttention's FP8 kernel on
+  one tile shape (``precision.exact.FP8_KV_QUERY_ROWS``) while vLLM schedules whole prefills; the
+  trainer attends in the same segments.
 - Above TP 2, the TP group's all-reduce (every row-parallel output, the embedding) gathers the
   ranks' partial results and sums them in rank order (``ops.exact.ordered_sum``, as the trainer's
   ``actor.exact.ordered_tp_reduce`` does), in place of vLLM's custom / NCCL all-reduce, whose order
@@ -38,12 +40,13 @@ How:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Mapping
 
 import torch
 
-from megatron_jetrl.ops.exact import custom_ops, ordered_sum, rope_inv_freq, vllm_kernels
+from megatron_jetrl.ops.exact import custom_ops, ordered_sum, query_segments, rope_inv_freq, vllm_kernels
 from megatron_jetrl.precision.exact import ATTENTION_KERNEL, KV_PAGE, fp8_kv_query_chunk, ordered_tp_reduction
 from megatron_jetrl.rollout.settings import VLLM_ATTENTION
 
@@ -124,6 +127,7 @@ def install() -> None:
         forward_cuda = forward_native
 
     _install_ordered_all_reduce()
+    _install_fp8_kv_segments()
     RMSNorm.register_oot(ExactRMSNorm)
     SiluAndMul.register_oot(ExactSiluAndMul)
     RotaryEmbedding.register_oot(ExactRotaryEmbedding)
@@ -167,6 +171,52 @@ def _install_ordered_all_reduce() -> None:
     GroupCoordinator._all_reduce_out_place = _all_reduce_out_place
 
 
+def _metadata_builder() -> type:
+    """vLLM's metadata builder of the contract's attention kernel (``VLLM_ATTENTION``)."""
+    import importlib
+
+    module, _, name = VLLM_ATTENTION[ATTENTION_KERNEL].builder.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def fp8_kv_segmented(builder: Any, metadata: Any) -> Any:
+    """``metadata`` of one step with an FP8 KV cache, every request's queries cut into segments of at
+    most ``fp8_kv_query_chunk`` tokens (``ops.exact.query_segments``, the trainer's own segmenting),
+    so a prefill calls FlashAttention's FP8 kernel with the tile shape a decode step uses (a query row's
+    result does not depend on which rows share its segment); a step of decode-sized queries (the
+    CUDA-graph-captured decode batches among them) is left as it is."""
+    if not str(builder.cache_config.cache_dtype).startswith("fp8") or getattr(metadata, "use_cascade", False):
+        return metadata
+    chunk = fp8_kv_query_chunk(builder.num_heads_q, builder.num_heads_kv)
+    if metadata.max_query_len <= chunk:
+        return metadata
+    cu_q, used, table = query_segments(metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+                                       metadata.num_actual_tokens, chunk)
+    return dataclasses.replace(metadata, query_start_loc=cu_q, seq_lens=used, block_table=table, max_query_len=chunk)
+
+
+def _install_fp8_kv_segments() -> None:
+    """Make the contract's attention metadata builder segment the queries of FP8-KV steps (``fp8_kv_segmented``)."""
+    builder = _metadata_builder()
+    if getattr(builder.build, "jetrl_exact", False):
+        return
+    original = builder.build
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        return fp8_kv_segmented(self, original(self, common_prefix_len, common_attn_metadata, fast_build))
+
+    build.jetrl_exact = True
+    build.jetrl_original = original
+    builder.build = build
+
+
+def _uninstall_fp8_kv_segments() -> None:
+    builder = _metadata_builder()
+    original = getattr(builder.build, "jetrl_original", None)
+    if original is not None:
+        builder.build = original
+
+
 def _uninstall_ordered_all_reduce() -> None:
     from vllm.distributed.parallel_state import GroupCoordinator
 
@@ -184,6 +234,7 @@ this vLLM's ``PassConfig`` has)."""
 def uninstall() -> None:
     """Undo ``install`` for modules built afterwards (tests; one engine per process otherwise)."""
     _uninstall_ordered_all_reduce()
+    _uninstall_fp8_kv_segments()
     registry = _registry()
     if any(getattr(registry.get(name), "jetrl_exact", False) for name in _REPLACED):
         for name in _REPLACED:
@@ -192,8 +243,7 @@ def uninstall() -> None:
 
 
 def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments of an exact engine, from the engine's usual ones; with an FP8
-    KV cache, at most ``fp8_kv_query_chunk`` new tokens of a request per step (``precision.exact``)."""
+    """``vllm.LLM`` keyword arguments of an exact engine, from the engine's usual ones."""
     out = dict(kwargs)
     out["block_size"] = KV_PAGE
     out["attention_config"] = {"backend": VLLM_ATTENTION[ATTENTION_KERNEL].backend}
@@ -209,9 +259,6 @@ def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str
         compilation["pass_config"] = {**compilation.get("pass_config", {}),
                                       **{name: False for name in _pass_config_fields() if name in REWRITING_PASSES}}
         out["compilation_config"] = compilation
-    if str(kwargs.get("kv_cache_dtype", "auto")).startswith("fp8"):
-        heads = hf_config["num_attention_heads"]
-        out["long_prefill_token_threshold"] = fp8_kv_query_chunk(heads, hf_config.get("num_key_value_heads", heads))
     return out
 
 
@@ -269,11 +316,8 @@ def check_engine(worker: Any) -> dict[str, int]:
                     and kernels.descale_query):
                 wrong.append(f"{name}: FP8 KV cache without the exact query quantization "
                              f"({type(attention.query_quant).__name__})")
-            chunk = fp8_kv_query_chunk(attention.num_heads, attention.num_kv_heads)
-            threshold = worker.vllm_config.scheduler_config.long_prefill_token_threshold
-            if threshold != chunk:
-                wrong.append(f"{name}: FP8 KV cache with up to {threshold or 'any number of'} new tokens a request per "
-                             f"step; the exact schedule takes {chunk} (long_prefill_token_threshold)")
+            if not getattr(_metadata_builder().build, "jetrl_exact", False):
+                wrong.append(f"{name}: FP8 KV cache without the exact query segments (vllm_exact.install)")
     if wrong:
         raise RuntimeError("precision.exact: vLLM built modules without their exact kernels (the rollout would "
                            "not be exact): " + "; ".join(wrong[:8]))

@@ -89,8 +89,11 @@ def test_install_is_idempotent_and_uninstall_restores_vllms_classes():
     vllm_exact.install()
     vllm_exact.install()
     assert all(getattr(op_registry_oot[n], "jetrl_exact", False) for n in ("RMSNorm", "SiluAndMul", "RotaryEmbedding"))
+    builder = vllm_exact._metadata_builder()
+    assert builder.build.jetrl_exact and builder.build.jetrl_original.__qualname__.endswith("Builder.build")
     vllm_exact.uninstall()
     assert not any(n in op_registry_oot for n in ("RMSNorm", "SiluAndMul", "RotaryEmbedding"))
+    assert not getattr(builder.build, "jetrl_exact", False)
 
 
 def test_the_exact_query_quantization_of_an_fp8_kv_cache_is_the_trainers_op(tmp_path):
@@ -129,21 +132,56 @@ def test_the_exact_query_quantization_of_an_fp8_kv_cache_is_the_trainers_op(tmp_
         vllm_activation_quant.uninstall()
 
 
-def test_with_an_fp8_kv_cache_vllm_schedules_the_trainers_query_chunks(tmp_path):
-    """An exact engine with an FP8 KV cache gives a request at most ``fp8_kv_query_chunk`` new
-    tokens a step (vLLM's own scheduler setting), so each FlashAttention call sees queries of that
-    length at most, as the trainer's chunked attention does; without an FP8 cache, no cap."""
+def _flash_metadata(**given):
+    """vLLM's FlashAttention metadata of one step: ``given`` fields, the other required ones None."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+
+    required = {f.name: None for f in dataclasses.fields(FlashAttentionMetadata)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    return FlashAttentionMetadata(**{**required, **given})
+
+
+def test_with_an_fp8_kv_cache_a_prefill_attends_in_the_trainers_query_segments(tmp_path):
+    """An exact engine with an FP8 KV cache schedules whole prefills (no cap on a request's new tokens
+    a step); its FlashAttention metadata builder cuts a step's queries into the segments of at most
+    ``fp8_kv_query_chunk`` tokens the trainer attends in (``ops.exact.query_segments``), so every call
+    runs the kernel a decode step runs. A step of decode-sized queries, and a BF16 cache, stay as vLLM
+    built them."""
+    from types import SimpleNamespace
+
+    from megatron_jetrl.ops.exact import query_segments
     from megatron_jetrl.precision.exact import fp8_kv_query_chunk
     from megatron_jetrl.rollout.vllm_engine import VllmOptions
 
     model = tiny_model("Qwen3ForCausalLM")
     hf, model_dir = model.config, write_config(model, tmp_path / "ckpt")
-    chunk = fp8_kv_query_chunk(hf.num_attention_heads, hf.num_key_value_heads)
     fp8 = cpu_vllm_config(model_dir, PrecisionRecipe(exact=True), VllmOptions(kv_cache_dtype="fp8"))
-    assert fp8.scheduler_config.long_prefill_token_threshold == chunk == 64 // (hf.num_attention_heads //
-                                                                                hf.num_key_value_heads)
-    bf16_cache = cpu_vllm_config(model_dir, PrecisionRecipe(exact=True))
-    assert bf16_cache.scheduler_config.long_prefill_token_threshold == 0
+    assert not fp8.scheduler_config.long_prefill_token_threshold
+    chunk = fp8_kv_query_chunk(hf.num_attention_heads, hf.num_key_value_heads)
+    builder = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8"), num_heads_q=hf.num_attention_heads,
+                              num_heads_kv=hf.num_key_value_heads)
+    queries, cached = [1, 3 * chunk + 5, 2], [40, 16, 0]  # a decode, a prefill after a prefix-cache hit, a prefill
+    cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([q + c for q, c in zip(queries, cached, strict=True)], dtype=torch.int32)
+    table = torch.arange(3 * 8, dtype=torch.int32).view(3, 8)
+    step = _flash_metadata(num_actual_tokens=int(cu[-1]), max_query_len=max(queries), query_start_loc=cu,
+                           max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=table,
+                           slot_mapping=torch.arange(int(cu[-1])))
+    segmented = vllm_exact.fp8_kv_segmented(builder, step)
+    want = query_segments(cu, seq_lens, table, int(cu[-1]), chunk)
+    assert segmented.max_query_len == chunk and segmented.num_actual_tokens == step.num_actual_tokens
+    for got, expected in zip((segmented.query_start_loc, segmented.seq_lens, segmented.block_table), want,
+                             strict=True):
+        assert torch.equal(got, expected)
+    assert segmented.slot_mapping is step.slot_mapping and segmented.max_seq_len == step.max_seq_len
+    decode = _flash_metadata(**{**{f: getattr(step, f) for f in ("num_actual_tokens", "query_start_loc",
+                                                                  "max_seq_len", "seq_lens", "block_table",
+                                                                  "slot_mapping")}, "max_query_len": chunk})
+    assert vllm_exact.fp8_kv_segmented(builder, decode) is decode
+    bf16 = SimpleNamespace(**{**vars(builder), "cache_config": SimpleNamespace(cache_dtype="auto")})
+    assert vllm_exact.fp8_kv_segmented(bf16, step) is step
 
 
 def test_an_exact_fp8_engine_compiles_with_the_fusion_pass(tmp_path):

@@ -157,11 +157,39 @@ def test_paged_kv_puts_each_sequence_on_its_own_pages():
     assert len(used_pages) == len(set(used_pages))
 
 
-def test_fp8_queries_are_cut_into_the_chunks_vllm_schedules():
-    """With an FP8 KV cache the trainer attends in segments of at most ``chunk`` queries of one
-    sequence, each over its sequence's pages up to its last token, as vLLM's steps do when it
-    schedules that many new tokens of a request at a time; unused segments are empty."""
-    from megatron_jetrl.ops.exact import kv_pages, query_chunks
+def _segments_by_loop(cu, seq_lens, chunk):
+    """(first token, keys seen, sequence) of every segment, by a plain loop."""
+    want = []
+    for i in range(len(cu) - 1):
+        n = int(cu[i + 1]) - int(cu[i])
+        context = int(seq_lens[i]) - n
+        for a in range(0, n, chunk):
+            want.append((int(cu[i]) + a, context + min(a + chunk, n), i))
+    return want
+
+
+def _check_segments(cu, seq_lens, table_in, chunk):
+    from megatron_jetrl.ops.exact import query_segments
+
+    tokens = int(cu[-1])
+    cu_q, used, table = query_segments(cu, seq_lens, table_in, tokens, chunk)
+    want = _segments_by_loop(cu, seq_lens, chunk)
+    segments = tokens // chunk + len(cu) - 1
+    assert cu_q.dtype == used.dtype == torch.int32 and cu_q.numel() == segments + 1
+    assert [(int(cu_q[j]), int(used[j])) for j in range(len(want))] == [(f, u) for f, u, _ in want]
+    for j, (_, _, i) in enumerate(want):
+        assert torch.equal(table[j], table_in[i])
+        assert int(cu_q[j + 1]) - int(cu_q[j]) <= chunk
+    assert (cu_q[len(want):] == tokens).all() and (used[len(want):] == 0).all()  # empty segments after
+
+
+def test_fp8_queries_are_cut_into_decode_sized_segments_on_both_sides():
+    """With an FP8 KV cache both sides attend in segments of at most ``chunk`` queries of one
+    sequence, each over its sequence's keys up to its last token: the trainer's packed sequences
+    (no context), and vLLM's step, where a request's queries follow its cached tokens (a prefill
+    after a prefix-cache hit, a chunked prefill's later part, a decode) and padded requests have
+    none; unused segments are empty."""
+    from megatron_jetrl.ops.exact import kv_pages
     from megatron_jetrl.precision.exact import ExactUnavailable, fp8_kv_query_chunk
 
     assert fp8_kv_query_chunk(32, 8) == 16 and fp8_kv_query_chunk(8, 4) == 32 and fp8_kv_query_chunk(4, 4) == 64
@@ -169,20 +197,14 @@ def test_fp8_queries_are_cut_into_the_chunks_vllm_schedules():
         fp8_kv_query_chunk(128, 1)
     lengths, chunk = [5, 16, 1, 40, 17], 16
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    tokens = sum(lengths)
-    pages = kv_pages(cu, packed_positions(cu, tokens), max(lengths))
-    cu_q, used, table = query_chunks(cu, pages, tokens, chunk)
-    want = []  # (first token, keys seen, sequence) of every segment, by a plain loop
-    for i, n in enumerate(lengths):
-        for a in range(0, n, chunk):
-            want.append((int(cu[i]) + a, min(a + chunk, n), i))
-    segments = tokens // chunk + len(lengths)
-    assert cu_q.dtype == used.dtype == table.dtype == torch.int32 and cu_q.numel() == segments + 1
-    assert [(int(cu_q[j]), int(used[j])) for j in range(len(want))] == [(f, u) for f, u, _ in want]
-    for j, (_, _, i) in enumerate(want):
-        assert torch.equal(table[j], pages.block_table[i])
-        assert int(cu_q[j + 1]) - int(cu_q[j]) <= chunk
-    assert (cu_q[len(want):] == tokens).all() and (used[len(want):] == 0).all()  # empty segments after
+    pages = kv_pages(cu, packed_positions(cu, sum(lengths)), max(lengths))
+    _check_segments(cu, pages.seqused_k, pages.block_table, chunk)  # the trainer's
+    # vLLM's: queries of 1 (decode), 300 (prefill after 32 cached tokens), 17, 0 (a padded request)
+    queries, cached = [1, 300, 17, 0], [700, 32, 0, 0]
+    cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([q + c for q, c in zip(queries, cached, strict=True)], dtype=torch.int32)
+    table = torch.arange(4 * 50, dtype=torch.int32).view(4, 50)
+    _check_segments(cu, seq_lens, table, chunk)
 
 
 # ------------------------------------------------------------------ exact logprobs
@@ -305,13 +327,13 @@ def test_the_exact_query_quantization_divides_clamps_and_rounds_to_nearest_even(
     assert torch.equal(custom_ops().static_fp8_quant(y, s).view(torch.uint8), want.view(torch.uint8))
 
 
-def test_the_plan_says_how_an_exact_fp8_kv_engine_prefills():
-    """``jetrl check``'s precision line: an exact rollout, and with an FP8 KV cache the few prompt
-    tokens a step the engine prefills (64 / (query heads per KV head); the tiny model has 2 / 1)."""
+def test_the_plan_says_how_an_exact_fp8_kv_engine_attends():
+    """``jetrl check``'s precision line: an exact rollout, and with an FP8 KV cache the query segments
+    both sides attend in (64 / (query heads per KV head); the tiny model has 2 / 1)."""
     plain = load_job("examples/configs/tiny_countdown.yaml", EXACT)
     kv = load_job("examples/configs/tiny_countdown.yaml", [*EXACT, "rollout.vllm.kv_cache_dtype=fp8"])
     line = next(x for x in resolve(kv, 1).describe(kv) if x.startswith("precision"))
-    assert "exact rollout with an FP8 KV cache (vLLM prefills a prompt 32 tokens a step; vLLM " in line, line
+    assert "exact rollout with an FP8 KV cache (attention in segments of 32 queries; vLLM " in line, line
     plain_line = next(x for x in resolve(plain, 1).describe(plain) if x.startswith("precision"))
     assert ", exact rollout (vLLM " in plain_line, plain_line
 
