@@ -259,6 +259,12 @@ def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str
         compilation["pass_config"] = {**compilation.get("pass_config", {}),
                                       **{name: False for name in _pass_config_fields() if name in REWRITING_PASSES}}
         out["compilation_config"] = compilation
+    if str(kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") and not kwargs.get("enforce_eager"):
+        # whole-step CUDA graphs for uniform decode batches only: a step with longer queries runs its
+        # attention outside a graph, with the segments fp8_kv_segmented makes for that step
+        compilation = dict(out.get("compilation_config") or {})
+        compilation["cudagraph_mode"] = "FULL_AND_PIECEWISE"
+        out["compilation_config"] = compilation
     return out
 
 

@@ -159,6 +159,8 @@ def test_with_an_fp8_kv_cache_a_prefill_attends_in_the_trainers_query_segments(t
     hf, model_dir = model.config, write_config(model, tmp_path / "ckpt")
     fp8 = cpu_vllm_config(model_dir, PrecisionRecipe(exact=True), VllmOptions(kv_cache_dtype="fp8"))
     assert not fp8.scheduler_config.long_prefill_token_threshold
+    kwargs = vllm_exact.llm_kwargs({"kv_cache_dtype": "fp8"}, {"num_attention_heads": 2})
+    assert kwargs["compilation_config"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"  # segmented steps: no full graph
     chunk = fp8_kv_query_chunk(hf.num_attention_heads, hf.num_key_value_heads)
     builder = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8"), num_heads_q=hf.num_attention_heads,
                               num_heads_kv=hf.num_key_value_heads)
