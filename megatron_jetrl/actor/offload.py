@@ -94,8 +94,9 @@ def choose(groups: list[tuple[str, list[int], bool]], short: Optional[int]) -> l
 
 
 def free_bytes() -> int:
-    """Bytes the device could hand out now: the driver's free memory and the caching allocator's
-    unused reserved blocks (``empty_cache`` first, so these are what fragmentation keeps)."""
+    """The device's free bytes once the caching allocator has given back its unused blocks
+    (``empty_cache``): what another allocator (vLLM's) can map. Free space inside partly used
+    segments does not count."""
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()[0]
 
