@@ -8,11 +8,13 @@ Layout under ``run_dir/checkpoints/``::
     step_00000200.tmp/        staging for a checkpoint being written (or one a crash abandoned)
     latest                    one line: the name of the newest committed step directory
 
-The protocol, run by every rank (SPMD) on a filesystem all ranks share:
+The protocol, ``save(step, write, any_rank=...)`` run by every rank (SPMD) on a filesystem all ranks
+share, the ranks agreeing after each phase (``any_rank``, a collective):
 
-1. ``begin(step)``: rank 0 makes a fresh ``step_XXXXXXXX.tmp/``; barrier; every rank writes into it.
-2. ``commit(step)``: barrier (all writes done); rank 0 writes ``COMPLETE``, renames ``.tmp`` to the
-   final name (atomic), rewrites ``latest`` atomically, prunes old checkpoints; barrier.
+1. rank 0 makes a fresh ``step_XXXXXXXX.tmp/`` (a stale one is removed);
+2. every rank writes into it (``write(staging)``);
+3. rank 0 writes ``COMPLETE``, renames ``.tmp`` to the final name (atomic), rewrites ``latest``
+   atomically and prunes old checkpoints.
 
 A step directory without ``.tmp`` exists only after its contents and ``COMPLETE`` were durable, and
 ``latest`` is only ever replaced whole, so an exception or a kill at any point leaves ``latest()``
@@ -20,12 +22,11 @@ returning the last complete checkpoint. Each writer is responsible for the durab
 files (``torch.distributed.checkpoint`` fsyncs by default; ``save_rng`` and ``save_json_atomic``
 do); ``COMPLETE`` says "every rank returned from writing", not "every byte is on disk".
 
-Collective methods (``save``, ``begin``, ``commit``, ``clean_stale``) must be called by every rank.
-``save`` (begin, write, commit) agrees on failures across ranks: a write that fails on any rank (a
-full disk, a quota, a directory turned read-only) removes the staging directory and raises
-``RunSaveError`` on every rank, with the complete checkpoints untouched. An exception on rank 0
-inside ``begin`` or ``commit`` leaves the other ranks waiting in a barrier until the process
-group's timeout, and nothing half-written is published.
+Collective methods (``save``, ``clean_stale``) must be called by every rank. ``save`` agrees on
+failures across ranks: a phase that fails on any rank (a full disk, a quota, a directory turned
+read-only) removes the staging directory and raises ``RunSaveError`` on every rank, with the
+complete checkpoints untouched. A process killed in any phase leaves at most a staging directory
+(or a complete step ``latest`` does not name yet): nothing half-written is published.
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ def resume_refused(run_dir: Path, latest: Path) -> ConfigError:
 
 
 class RunCheckpoints:
-    """The commit protocol for ``run_dir/checkpoints`` (see the module docstring).
+    """The save protocol for ``run_dir/checkpoints`` (see the module docstring).
 
     ``barrier`` is ``torch.distributed.barrier`` in a job (or ``lambda: None`` in one process);
-    ``keep_last`` >= 1 complete checkpoints survive each commit.
+    ``keep_last`` >= 1 complete checkpoints survive each save.
     """
 
     def __init__(self, run_dir: Path, keep_last: int, rank: int, world_size: int,
@@ -120,7 +121,7 @@ class RunCheckpoints:
 
     def save(self, step: int, write: Callable[[Path], object], *, any_rank: Callable[[bool], bool]) -> Path:
         """Collective. The checkpoint of ``step``: a fresh staging directory, ``write(staging)`` on
-        every rank, then published (``commit``); returns the final directory. ``any_rank`` reduces
+        every rank, then published (``_publish``); returns the final directory. ``any_rank`` reduces
         a flag over all ranks (``signals.any_rank``); it is how the ranks agree after each phase.
 
         When a phase fails on any rank, rank 0 removes the staging directory and every rank raises
@@ -169,13 +170,6 @@ class RunCheckpoints:
                                 f"writable, then {resume}", local=True)
         return error
 
-    def begin(self, step: int) -> Path:
-        """Collective. A fresh, empty staging directory for ``step`` (a stale one is removed)."""
-        if self.rank == 0:
-            self._open_staging(step)
-        self._barrier()
-        return self._staging(step)
-
     def _open_staging(self, step: int) -> None:
         staging = self._staging(step)
         problem = pointer_problem(self.root)
@@ -187,24 +181,15 @@ class RunCheckpoints:
         staging.mkdir()
         fsync_dir(self.root)
 
-    def commit(self, step: int) -> Path:
-        """Collective. Publish the staging directory of ``step``; returns the final directory.
-
-        A complete checkpoint of the same step is replaced. Pruning keeps the ``keep_last`` newest
-        complete checkpoints not newer than ``step``; newer ones can only be a future that was
-        rolled back (``latest`` edited by hand to an older step) and are removed, so that neither
-        the pointer nor the fallback scan can lead back to them.
-        """
-        self._barrier()
-        if self.rank == 0:
-            self._publish(step)
-        self._barrier()
-        return self.step_dir(step)
-
     def _publish(self, step: int) -> None:
+        """Publish the staging directory of ``step`` (rank 0). A complete checkpoint of the same step
+        is replaced. Pruning keeps the ``keep_last`` newest complete checkpoints not newer than
+        ``step``; newer ones can only be a future that was rolled back (``latest`` edited by hand to
+        an older step) and are removed, so that neither the pointer nor the fallback scan can lead
+        back to them."""
         staging, final = self._staging(step), self.step_dir(step)
         if not staging.is_dir():
-            raise FileNotFoundError(f"{staging} does not exist: commit({step}) without begin({step})")
+            raise FileNotFoundError(f"{staging} does not exist: the staging directory went away while saving")
         save_json_atomic(staging / COMPLETE, {"step": step, "world_size": self.world_size, "time": time.time()})
         replaced = None
         if final.exists():

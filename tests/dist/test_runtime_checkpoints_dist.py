@@ -1,5 +1,5 @@
 """The checkpoint protocol and the preemption agreement across 2 processes (gloo): every rank writes
-into the staging dir rank 0 made, commit publishes after all ranks finished, every rank then sees
+into the staging dir rank 0 made, rank 0 publishes after all ranks finished, every rank then sees
 the same latest(); a signal on one rank stops all ranks at the same step."""
 
 import os
@@ -29,12 +29,15 @@ def _worker(rank, world, port, run_dir, results):
             stopped_at = None
             for step in range(1, 10):
                 torch.rand(3)
-                staging = ck.begin(step)
-                assert staging.is_dir(), f"rank {rank}: staging missing after begin"
-                (staging / f"shard_{rank}").write_text(str(step))
-                save_rng(staging, rank)
+
+                def write(staging, step=step):
+                    assert staging.is_dir(), f"rank {rank}: no staging directory when writing"
+                    (staging / f"shard_{rank}").write_text(str(step))
+                    save_rng(staging, rank)
+
+                ck.save(step, write, any_rank=any_rank)
                 fingerprints[step] = rng_fingerprint()
-                final = ck.commit(step)
+                final = ck.step_dir(step)
                 files = sorted(p.name for p in final.iterdir())
                 assert files == ["COMPLETE", "rng", "shard_0", "shard_1"], f"rank {rank}: {files}"
                 if rank == 0 and step == 3:

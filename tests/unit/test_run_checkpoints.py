@@ -24,24 +24,35 @@ def _ckpts(tmp_path, keep_last=3):
 
 
 def _save(ck, step, payload="x"):
-    staging = ck.begin(step)
-    (staging / "trainer_state.json").write_text(json.dumps({"step": step, "payload": payload}))
-    return ck.commit(step)
+    return ck.save(step, lambda staging: (staging / "trainer_state.json").write_text(
+        json.dumps({"step": step, "payload": payload})), any_rank=bool)
+
+
+class Killed(BaseException):
+    """The process dies here: not an error ``save`` handles (it cleans up nothing), as a kill."""
+
+
+def _killed(*_args, **_kwargs):
+    raise Killed
 
 
 def _state(path):
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def test_commit_publishes_atomically_and_updates_latest(tmp_path):
+def test_save_publishes_atomically_and_updates_latest(tmp_path):
     ck = _ckpts(tmp_path)
     assert ck.latest() is None
-    staging = ck.begin(10)
-    assert staging == tmp_path / "checkpoints" / "step_00000010.tmp" and staging.is_dir()
-    assert not any(staging.iterdir())
-    (staging / "trainer_state.json").write_text("{}")
-    assert ck.latest() is None  # staging is never a checkpoint
-    final = ck.commit(10)
+    seen = []
+
+    def write(staging):
+        seen.append((staging, staging.is_dir(), list(staging.iterdir())))
+        (staging / "trainer_state.json").write_text("{}")
+        seen.append(ck.latest())  # staging is never a checkpoint
+
+    final = ck.save(10, write, any_rank=bool)
+    staging = tmp_path / "checkpoints" / "step_00000010.tmp"
+    assert seen == [(staging, True, []), None]
     assert final == tmp_path / "checkpoints" / "step_00000010"
     assert not staging.exists()
     assert json.loads((final / COMPLETE).read_text())["step"] == 10
@@ -58,19 +69,27 @@ def test_keep_last_prunes_oldest(tmp_path):
     assert ck.latest().name == "step_00000004"
 
 
-def test_begin_replaces_a_stale_staging_dir(tmp_path):
+def test_save_replaces_a_stale_staging_dir(tmp_path):
     ck = _ckpts(tmp_path)
-    staging = ck.begin(5)
-    (staging / "half_written").write_text("junk")
-    assert not any(ck.begin(5).iterdir())
+    stale = tmp_path / "checkpoints" / "step_00000005.tmp"
+    stale.mkdir(parents=True)
+    (stale / "half_written").write_text("junk")
+    seen = []
+    ck.save(5, lambda staging: seen.append(list(staging.iterdir())), any_rank=bool)
+    assert seen == [[]]
 
 
-def test_crash_between_begin_and_commit_resumes_from_last_complete(tmp_path):
+def test_a_kill_while_writing_resumes_from_last_complete(tmp_path):
     ck = _ckpts(tmp_path)
     _save(ck, 1, "good")
-    staging = ck.begin(2)
-    (staging / "trainer_state.json").write_text("{half")
-    # the process dies here; a new one starts
+    staging = tmp_path / "checkpoints" / "step_00000002.tmp"
+
+    def write(directory):
+        (directory / "trainer_state.json").write_text("{half")
+        raise Killed  # the process dies here; a new one starts
+
+    with pytest.raises(Killed):
+        ck.save(2, write, any_rank=bool)
     ck2 = _ckpts(tmp_path)
     assert ck2.latest().name == "step_00000001"
     assert _state(ck2.latest())["payload"] == "good"
@@ -81,17 +100,12 @@ def test_crash_between_begin_and_commit_resumes_from_last_complete(tmp_path):
     assert _state(ck2.latest())["payload"] == "again"
 
 
-def test_crash_inside_commit_before_rename(tmp_path, monkeypatch):
+def test_a_kill_while_publishing_before_the_rename(tmp_path, monkeypatch):
     ck = _ckpts(tmp_path)
     _save(ck, 1)
-    ck.begin(2)
-
-    def dies(*a, **k):
-        raise RuntimeError("killed")
-
-    monkeypatch.setattr(checkpoints_module.os, "rename", dies)
-    with pytest.raises(RuntimeError):
-        ck.commit(2)
+    monkeypatch.setattr(checkpoints_module.os, "rename", _killed)
+    with pytest.raises(Killed):
+        _save(ck, 2)
     monkeypatch.undo()
     assert (tmp_path / "checkpoints" / "step_00000002.tmp" / COMPLETE).is_file()  # marker written, not published
     assert ck.latest().name == "step_00000001"
@@ -99,17 +113,12 @@ def test_crash_inside_commit_before_rename(tmp_path, monkeypatch):
     assert ck.latest().name == "step_00000001"
 
 
-def test_crash_after_rename_before_pointer_then_recommit(tmp_path, monkeypatch):
+def test_a_kill_after_the_rename_before_the_pointer_then_saved_again(tmp_path, monkeypatch):
     ck = _ckpts(tmp_path)
     _save(ck, 1, "one")
-    ck.begin(2)
-
-    def dies(path, data):
-        raise RuntimeError("killed")
-
-    monkeypatch.setattr(checkpoints_module, "write_atomic", dies)
-    with pytest.raises(RuntimeError):
-        ck.commit(2)
+    monkeypatch.setattr(checkpoints_module, "write_atomic", _killed)
+    with pytest.raises(Killed):
+        _save(ck, 2)
     monkeypatch.undo()
     # step 2 is complete but unannounced: the pointer (valid) still leads to step 1
     assert (tmp_path / "checkpoints" / "step_00000002" / COMPLETE).is_file()
@@ -178,26 +187,24 @@ def test_pointer_rolled_back_by_hand_is_followed_and_the_abandoned_future_pruned
     assert _state(ck.latest())["payload"] == "new timeline"
 
 
-def test_commit_without_begin_fails(tmp_path):
-    with pytest.raises(FileNotFoundError, match="without begin"):
-        _ckpts(tmp_path).commit(3)
-
-
 def test_constructor_validates(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         RunCheckpoints(tmp_path, keep_last=0, rank=0, world_size=1, barrier=lambda: None)
     with pytest.raises(ValueError, match="rank"):
         RunCheckpoints(tmp_path, keep_last=1, rank=2, world_size=2, barrier=lambda: None)
     with pytest.raises(ValueError, match="step"):
-        _ckpts(tmp_path).begin(-1)
+        _ckpts(tmp_path).save(-1, lambda staging: None, any_rank=bool)
 
 
-def test_non_zero_rank_only_waits_and_reads(tmp_path):
-    calls = []
+def test_non_zero_rank_only_writes_waits_and_reads(tmp_path):
+    calls, agreed = [], []
     ck = RunCheckpoints(tmp_path, keep_last=1, rank=1, world_size=2, barrier=lambda: calls.append(1))
-    staging = ck.begin(1)
-    assert not staging.exists() and calls == [1]  # rank 0 creates it
-    assert ck.clean_stale() == [] and calls == [1, 1]
+    seen = []
+    final = ck.save(1, lambda staging: seen.append(staging.exists()),
+                    any_rank=lambda flag: agreed.append(flag) or flag)
+    assert seen == [False] and agreed == [False, False, False]  # rank 0 makes and publishes it
+    assert final == ck.step_dir(1) and not (tmp_path / "checkpoints").exists()
+    assert ck.clean_stale() == [] and calls == [1]
 
 
 def test_save_json_atomic_and_write_atomic(tmp_path):
@@ -263,12 +270,6 @@ def _hidden_no_space(staging):
         _no_space(staging)
     except OSError as e:
         raise CheckpointException("save failed", {0: _wrap_exception(e)}) from None
-
-
-def test_save_publishes_like_begin_and_commit(tmp_path):
-    ck = _ckpts(tmp_path)
-    final = ck.save(3, lambda staging: (staging / "trainer_state.json").write_text("{}"), any_rank=bool)
-    assert final == ck.step_dir(3) == ck.latest() and (final / COMPLETE).is_file()
 
 
 @pytest.mark.parametrize("write", [_no_space, _hidden_no_space], ids=["ENOSPC", "in-CheckpointException"])
