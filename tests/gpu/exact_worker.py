@@ -11,6 +11,7 @@ tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
   sync, and the same again.
 - exact_fp8_8b6 / exact_bf16_8b6: 6 layers at Qwen3-8B widths (vocabulary 151,936), random
   weights from megatron's initialisation (not vLLM's dummy weights, whose logits are uniform).
+- unsegmented_fp8_kv_8b6: the negative control of exact_fp8_kv_8b6, vLLM's prefills unsegmented.
 - exact_fp8_kv / exact_fp8_kv_8b6: with an FP8 KV cache; the KV-cache scales the engine holds are
   the trainer's exact attention's too: first measured on a batch, then by each round's update.
 - exact_fp8_tp2 / exact_bf16_tp2 / exact_fp8_8b6_tp2: the same at trainer TP 2 (sequence parallel)
@@ -125,7 +126,8 @@ class Scenarios(VllmScenarios):
         return out
 
     def _exact(self, name: str, mode: str, *, hf_config: dict | None = None, prompt_len: int = 48,
-               new_tokens: int = 96, mb_tokens: int = 256, memory: float = 0.3, tp: int = 1, kv_fp8: bool = False):
+               new_tokens: int = 96, mb_tokens: int = 256, memory: float = 0.3, tp: int = 1, kv_fp8: bool = False,
+               after_start=None):
         if self.world != tp:
             raise RuntimeError(f"{name} runs at trainer TP = rollout TP = {tp}, a GPU each; launched with {self.world}")
         actor = self._exact_actor(mode, hf_config, mb_tokens, tp)
@@ -136,6 +138,8 @@ class Scenarios(VllmScenarios):
         start = time.perf_counter()
         engine = VllmEngine(actor.bridge.hf_config, recipe, options)
         r = {"engine_start_s": time.perf_counter() - start, "exact_modules": engine.exact_modules}
+        if after_start is not None:  # a negative control's change, after the engine's start-up check
+            after_start()
         plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, tp, self.world)
         sync = WeightSync(plan, dist.get_rank(), device=actor.device)
         vocab = actor.bridge.dims.vocab_size
@@ -183,10 +187,24 @@ class Scenarios(VllmScenarios):
         self._exact("exact_fp8_kv", "fp8", kv_fp8=True)
 
     def exact_fp8_kv_8b6(self):
+        """Prompts of up to 400 tokens: vLLM prefills each in one step, its attention cut into segments
+        of 16 queries (``vllm_exact.fp8_kv_segmented``); a prompt's later samples start after its cached
+        blocks (prefix caching), so their segments attend over a context."""
         from benchmarks.model_shapes import qwen3_8b_shaped
 
-        self._exact("exact_fp8_kv_8b6", "fp8", hf_config=qwen3_8b_shaped(6), new_tokens=128, mb_tokens=8192,
-                    memory=0.25, kv_fp8=True)
+        self._exact("exact_fp8_kv_8b6", "fp8", hf_config=qwen3_8b_shaped(6), prompt_len=400, new_tokens=128,
+                    mb_tokens=8192, memory=0.25, kv_fp8=True)
+
+    def unsegmented_fp8_kv_8b6(self):
+        """The negative control of exact_fp8_kv_8b6: once the engine has started (its check saw the
+        segmenting metadata builder), vLLM's attention metadata is left as vLLM builds it, so a prompt's
+        prefill runs FlashAttention's FP8 kernel over its whole query, with the other tile shape; the
+        trainer still attends in segments. The test expects unequal tokens."""
+        from benchmarks.model_shapes import qwen3_8b_shaped
+        from megatron_jetrl.rollout import vllm_exact
+
+        self._exact("unsegmented_fp8_kv_8b6", "fp8", hf_config=qwen3_8b_shaped(6), prompt_len=400, new_tokens=128,
+                    mb_tokens=8192, memory=0.25, kv_fp8=True, after_start=vllm_exact._uninstall_fp8_kv_segments)
 
     def exact_fp8_tp2(self):
         self._exact("exact_fp8_tp2", "fp8", tp=2)

@@ -80,6 +80,16 @@ def test_exact_with_an_fp8_kv_cache(tmp_path_factory, scenario):
     assert all(0 < v < 1e4 for scales in used for v in scales) and used[0] != used[1], used  # measured, then moved
 
 
+def test_without_segments_an_fp8_kv_cache_prefill_is_not_exact(tmp_path_factory):
+    """The negative control of ``exact_fp8_kv_8b6``: vLLM's prefills of up to 400 tokens in one
+    FlashAttention call (its metadata unsegmented) run the FP8 kernel's other tile shape, and tokens differ."""
+    r = _run(tmp_path_factory, "unsegmented_fp8_kv_8b6")
+    print(json.dumps(r, indent=1))
+    unequal = sum(r[case][side]["unequal"] for case in ("batch256", "after_steps")
+                  for side in ("recompute", "update_forward"))
+    assert unequal > 0, r
+
+
 @pytest.mark.parametrize("scenario", ["exact_fp8_tp2", "exact_bf16_tp2", "exact_fp8_8b6_tp2"])
 def test_exact_at_equal_tp_2(tmp_path_factory, scenario):
     """Trainer TP 2 (sequence parallel) = rollout TP 2 on two GPUs: the same equalities on every rank."""
