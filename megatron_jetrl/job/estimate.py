@@ -99,6 +99,18 @@ class MemoryEstimate:
     def runtime_reserve(self, capacity: float | None = None) -> float:
         return RUNTIME_RESERVE_GIB * GiB + ALLOCATOR_SLACK * self.resident(capacity)
 
+    def moved_to_host(self, capacity: float | None = None) -> float | None:
+        """Bytes the colocated actor copies to host memory and back at each rollout (``actor.offload``
+        with the engine's wake need): what its weights, gradients and optimizer state and the engine's
+        share leave short of the GPU, the runtime's fixed reserve kept, less the gradients (dropped,
+        no copy); at most its weights and optimizer state. None where the engine's need is not known
+        before it runs (an engine without a share: the whole actor moves)."""
+        if not self.offload_actor or self.engine_share is None or capacity is None:
+            return None
+        state = self.trainer_weights + self.trainer_grads + self.optimizer
+        short = state + self.rollout_total(capacity) + RUNTIME_RESERVE_GIB * GiB - capacity
+        return min(max(0.0, short - self.trainer_grads), self.trainer_weights + self.optimizer)
+
     def fits(self, capacity: float) -> bool:
         return self.peak(capacity) <= capacity
 
@@ -139,6 +151,9 @@ class MemoryEstimate:
                  ("peak" + (" (colocated: max)" if self.offload_actor else " (sum)"), self.peak(capacity))]
         if self.offload_actor:
             rows.append(("host (pinned) for offload", self.host_offload))
+            moved = self.moved_to_host(capacity)
+            if moved is not None:
+                rows.append(("moved a step (each way)", moved))
         return [(name, value / GiB) for name, value in rows]
 
 

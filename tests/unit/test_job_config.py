@@ -580,3 +580,26 @@ def test_an_initial_checkpoint_of_another_model_is_refused_by_check(tmp_path, ca
                           f"{mg} tensor "), err
     assert err.endswith("name the checkpoint tools/convert_hf_to_megatron.py wrote from model.hf_config's model, or "
                         "the model.hf_config it was converted from"), err
+
+
+def test_the_plan_says_what_the_colocated_actor_moves_a_step():
+    """Colocated with an engine that claims a share of the GPU, the actor moves to host memory only
+    what that share and its own state leave short (gradients dropped first, no copy): nothing on a
+    GPU with room for both, its weights and optimizer state at most."""
+    from megatron_jetrl.job.estimate import RUNTIME_RESERVE_GIB, GiB, MemoryEstimate
+
+    def plan(share):
+        return MemoryEstimate(total_params=1, trainer_weights=8 * GiB, trainer_grads=16 * GiB, optimizer=12 * GiB,
+                              fp8_copies=6 * GiB, activations=14 * GiB, rollout_weights=0, rollout_kv_cache=0,
+                              engine_share=share, share_key="rollout.vllm.gpu_memory_utilization", offload_actor=True,
+                              host_offload=20 * GiB)
+
+    gpu = 100 * GiB
+    assert plan(0.3).moved_to_host(gpu) == 0.0  # 36 + 30 + reserve fit in 100
+    short = 36 * GiB + 60 * GiB + RUNTIME_RESERVE_GIB * GiB - gpu  # 4 GiB short: the gradients cover it
+    assert short < 16 * GiB and plan(0.6).moved_to_host(gpu) == 0.0
+    assert plan(0.8).moved_to_host(gpu) == 36 * GiB + 80 * GiB + RUNTIME_RESERVE_GIB * GiB - gpu - 16 * GiB
+    assert plan(0.99).moved_to_host(gpu) == 20 * GiB  # weights and optimizer state, all of them
+    rows = dict(plan(0.8).rows(gpu))
+    assert rows["moved a step (each way)"] == pytest.approx(8.0)
+    assert plan(None).moved_to_host(gpu) is None and "moved a step (each way)" not in dict(plan(None).rows(gpu))
