@@ -8,7 +8,8 @@ differ from the trainer's, and
   logprobs, apply the configured correction and go on (``exact/corrected_step`` 1), exit 0;
 - the negative control: no fault, every step exact (``rollout_corr/unequal_tokens`` 0, none corrected).
 With the guard as the check, on two GPUs: several rollout replicas (trainer DP 2, one engine a rank)
-and trainer pipeline stages (PP 2, an engine unstaged on each rank) run every step exact.
+and trainer pipeline stages (PP 2, an engine unstaged on each rank) run every step exact; on four,
+trainer TP 2 × DP 2 with two engines of rollout TP 2.
 """
 
 from __future__ import annotations
@@ -107,6 +108,17 @@ def test_several_rollout_replicas_are_exact(tmp_path):
     packs every rank's samples its own way, and every token's logprob is the engine's."""
     _two_gpus()
     _every_step_exact(*_run(tmp_path, 0, nproc=2))
+
+
+def test_tp_2_with_two_rollout_replicas_is_exact(tmp_path):
+    """Trainer TP 2 × DP 2 on 4 GPUs, two engines of rollout TP 2 (the recipes' shape at small scale;
+    the tiny model with 2 KV heads, so TP 2 splits them): every step exact."""
+    import torch
+
+    if torch.cuda.device_count() < 4:
+        pytest.skip(f"TP 2 x DP 2 needs 4 GPUs; this host has {torch.cuda.device_count()}")
+    _every_step_exact(*_run(tmp_path, 0, "actor.parallel.tp=2", "rollout.vllm.tensor_parallel_size=2",
+                            "model.config.num_key_value_heads=2", nproc=4))
 
 
 def test_trainer_pipeline_stages_are_exact(tmp_path):
