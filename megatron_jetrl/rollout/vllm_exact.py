@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from megatron_jetrl.ops.exact import custom_ops, ordered_sum, query_segments, rope_inv_freq, vllm_kernels
 from megatron_jetrl.precision.exact import ATTENTION_KERNEL, KV_PAGE, fp8_kv_query_chunk, ordered_tp_reduction
 from megatron_jetrl.rollout.settings import VLLM_ATTENTION
+from megatron_jetrl.rollout.vllm_model import fp8_cache
 
 _REPLACED = ("RMSNorm", "SiluAndMul", "RotaryEmbedding")
 
@@ -126,8 +127,8 @@ def install() -> None:
 
         forward_cuda = forward_native
 
-    _install_ordered_all_reduce()
-    _install_fp8_kv_segments()
+    _patch(_group_coordinator(), "_all_reduce_out_place", _ordered_all_reduce)
+    _patch(_metadata_builder(), "build", _segmenting_build)
     RMSNorm.register_oot(ExactRMSNorm)
     SiluAndMul.register_oot(ExactSiluAndMul)
     RotaryEmbedding.register_oot(ExactRotaryEmbedding)
@@ -150,25 +151,45 @@ def _forget_rotary_embeddings() -> None:
     cache.clear()
 
 
-def _install_ordered_all_reduce() -> None:
-    """Make the TP group's all-reduce (``GroupCoordinator._all_reduce_out_place``, behind vLLM's
-    ``all_reduce`` custom op, which its compiled graph calls) reduce in the exact order above TP 2:
-    an all-gather of the ranks' partial results (vLLM's own, capturable in CUDA graphs), then
-    ``ordered_sum``. Other groups and TP 2 keep vLLM's all-reduce."""
+def _patch(owner: type, attr: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.attr`` by ``make(original)``, marked as the exact mode's (installing again is a
+    no-op; ``_unpatch`` puts the original back)."""
+    original = getattr(owner, attr)
+    if getattr(original, "jetrl_exact", False):
+        return
+    replacement = make(original)
+    replacement.jetrl_exact = True
+    replacement.jetrl_original = original
+    setattr(owner, attr, replacement)
+
+
+def _unpatch(owner: type, attr: str) -> None:
+    original = getattr(getattr(owner, attr), "jetrl_original", None)
+    if original is not None:
+        setattr(owner, attr, original)
+
+
+def _patched(owner: type, attr: str) -> bool:
+    return getattr(getattr(owner, attr), "jetrl_exact", False)
+
+
+def _group_coordinator() -> type:
     from vllm.distributed.parallel_state import GroupCoordinator
 
-    if getattr(GroupCoordinator._all_reduce_out_place, "jetrl_exact", False):
-        return
-    original = GroupCoordinator._all_reduce_out_place
+    return GroupCoordinator
 
+
+def _ordered_all_reduce(original: Callable) -> Callable:
+    """The TP group's all-reduce (``GroupCoordinator._all_reduce_out_place``, behind vLLM's
+    ``all_reduce`` custom op, which its compiled graph calls) in the exact order above TP 2: an
+    all-gather of the ranks' partial results (vLLM's own, capturable in CUDA graphs), then
+    ``ordered_sum``. Other groups and TP 2 keep vLLM's all-reduce."""
     def _all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
         if not (self.unique_name.startswith("tp:") and ordered_tp_reduction(self.world_size)):
             return original(self, input_)
         return ordered_sum(self.device_communicator.all_gather(input_.unsqueeze(0), 0))
 
-    _all_reduce_out_place.jetrl_exact = True
-    _all_reduce_out_place.jetrl_original = original
-    GroupCoordinator._all_reduce_out_place = _all_reduce_out_place
+    return _all_reduce_out_place
 
 
 def _metadata_builder() -> type:
@@ -185,7 +206,7 @@ def fp8_kv_segmented(builder: Any, metadata: Any) -> Any:
     so a prefill calls FlashAttention's FP8 kernel with the tile shape a decode step uses (a query row's
     result does not depend on which rows share its segment); a step of decode-sized queries (the
     CUDA-graph-captured decode batches among them) is left as it is."""
-    if not str(builder.cache_config.cache_dtype).startswith("fp8") or getattr(metadata, "use_cascade", False):
+    if not fp8_cache(builder.cache_config.cache_dtype) or getattr(metadata, "use_cascade", False):
         return metadata
     chunk = fp8_kv_query_chunk(builder.num_heads_q, builder.num_heads_kv)
     if metadata.max_query_len <= chunk:
@@ -195,34 +216,16 @@ def fp8_kv_segmented(builder: Any, metadata: Any) -> Any:
     return dataclasses.replace(metadata, query_start_loc=cu_q, seq_lens=used, block_table=table, max_query_len=chunk)
 
 
-def _install_fp8_kv_segments() -> None:
-    """Make the contract's attention metadata builder segment the queries of FP8-KV steps (``fp8_kv_segmented``)."""
-    builder = _metadata_builder()
-    if getattr(builder.build, "jetrl_exact", False):
-        return
-    original = builder.build
-
+def _segmenting_build(original: Callable) -> Callable:
+    """The metadata builder's ``build``, its FP8-KV steps segmented (``fp8_kv_segmented``)."""
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return fp8_kv_segmented(self, original(self, common_prefix_len, common_attn_metadata, fast_build))
 
-    build.jetrl_exact = True
-    build.jetrl_original = original
-    builder.build = build
+    return build
 
 
 def _uninstall_fp8_kv_segments() -> None:
-    builder = _metadata_builder()
-    original = getattr(builder.build, "jetrl_original", None)
-    if original is not None:
-        builder.build = original
-
-
-def _uninstall_ordered_all_reduce() -> None:
-    from vllm.distributed.parallel_state import GroupCoordinator
-
-    original = getattr(GroupCoordinator._all_reduce_out_place, "jetrl_original", None)
-    if original is not None:
-        GroupCoordinator._all_reduce_out_place = original
+    _unpatch(_metadata_builder(), "build")
 
 
 REWRITING_PASSES = ("enable_sp", "fuse_gemm_comms", "fuse_allreduce_rms")
@@ -233,7 +236,7 @@ this vLLM's ``PassConfig`` has)."""
 
 def uninstall() -> None:
     """Undo ``install`` for modules built afterwards (tests; one engine per process otherwise)."""
-    _uninstall_ordered_all_reduce()
+    _unpatch(_group_coordinator(), "_all_reduce_out_place")
     _uninstall_fp8_kv_segments()
     registry = _registry()
     if any(getattr(registry.get(name), "jetrl_exact", False) for name in _REPLACED):
@@ -247,31 +250,26 @@ def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str
     out = dict(kwargs)
     out["block_size"] = KV_PAGE
     out["attention_config"] = {"backend": VLLM_ATTENTION[ATTENTION_KERNEL].backend}
+    compilation = dict(kwargs.get("compilation_config") or {})
     if kwargs.get("quantization") and not kwargs.get("enforce_eager"):  # FP8 linears, compiled: fuse their input
         from megatron_jetrl.rollout.vllm_fusion import fusion_pass
 
-        compilation = dict(kwargs.get("compilation_config") or {})
         compilation["inductor_compile_config"] = {**compilation.get("inductor_compile_config", {}),
                                                   "post_grad_custom_post_pass": fusion_pass()}
-        out["compilation_config"] = compilation
     if ordered_tp_reduction(int(kwargs.get("tensor_parallel_size", 1))):  # the all-reduce stays one, the ordered one
-        compilation = dict(out.get("compilation_config") or {})
         compilation["pass_config"] = {**compilation.get("pass_config", {}),
                                       **{name: False for name in _pass_config_fields() if name in REWRITING_PASSES}}
-        out["compilation_config"] = compilation
-    if str(kwargs.get("kv_cache_dtype", "auto")).startswith("fp8") and not kwargs.get("enforce_eager"):
+    if fp8_cache(kwargs.get("kv_cache_dtype", "auto")) and not kwargs.get("enforce_eager"):
         # whole-step CUDA graphs for uniform decode batches only: a step with longer queries runs its
         # attention outside a graph, with the segments fp8_kv_segmented makes for that step
-        compilation = dict(out.get("compilation_config") or {})
         compilation["cudagraph_mode"] = "FULL_AND_PIECEWISE"
+    if compilation:
         out["compilation_config"] = compilation
     return out
 
 
 def _pass_config_fields() -> tuple[str, ...]:
     """The option names of this vLLM's compile ``PassConfig``."""
-    import dataclasses
-
     from vllm.config.compilation import PassConfig
 
     return tuple(f.name for f in dataclasses.fields(PassConfig))
@@ -280,13 +278,13 @@ def _pass_config_fields() -> tuple[str, ...]:
 def reduction_problems(worker: Any) -> list[str]:
     """What keeps the worker's TP all-reduce from the exact order (empty at TP 2 or less): the
     ordered all-reduce not installed, or a compile pass left on that rewrites the all-reduce."""
-    from vllm.distributed.parallel_state import GroupCoordinator, get_tp_group
+    from vllm.distributed.parallel_state import get_tp_group
 
     tp = get_tp_group().world_size
     if not ordered_tp_reduction(tp):
         return []
     wrong = []
-    if not getattr(GroupCoordinator._all_reduce_out_place, "jetrl_exact", False):
+    if not _patched(_group_coordinator(), "_all_reduce_out_place"):
         wrong.append(f"TP {tp}: vLLM's all-reduce is not the ordered one (rollout.vllm_exact.install was not called)")
     passes = worker.vllm_config.compilation_config.pass_config
     on = [name for name in REWRITING_PASSES if getattr(passes, name, False)]
@@ -316,13 +314,13 @@ def check_engine(worker: Any) -> dict[str, int]:
         if type(impl).__name__ != VLLM_ATTENTION[ATTENTION_KERNEL].impl or got != kernels.fa_version:
             wrong.append(f"{name}: attention {type(impl).__name__} (FlashAttention version {got}; the trainer's is "
                          f"{kernels.fa_version})")
-        if str(attention.kv_cache_dtype).startswith("fp8"):  # q quantized by the exact op, passed with its scale
+        if fp8_cache(attention.kv_cache_dtype):  # q quantized by the exact op, passed with its scale
             counts["fp8_kv_attention"] += 1
             if not (getattr(attention.query_quant, "jetrl_exact_static", False) and impl.supports_quant_query_input
                     and kernels.descale_query):
                 wrong.append(f"{name}: FP8 KV cache without the exact query quantization "
                              f"({type(attention.query_quant).__name__})")
-            if not getattr(_metadata_builder().build, "jetrl_exact", False):
+            if not _patched(_metadata_builder(), "build"):
                 wrong.append(f"{name}: FP8 KV cache without the exact query segments (vllm_exact.install)")
     if wrong:
         raise RuntimeError("precision.exact: vLLM built modules without their exact kernels (the rollout would "

@@ -71,12 +71,16 @@ def _checkpoint_tensors(model: torch.nn.Module
             yield name, tuple(param.shape), data, None
 
 
+def fp8_cache(kv_cache_dtype: Any) -> bool:
+    """Whether vLLM's ``kv_cache_dtype`` (``fp8``, ``fp8_e4m3``, ... or a torch dtype's name) is an FP8 KV cache."""
+    return str(kv_cache_dtype).startswith("fp8")
+
+
 def fp8_kv_attention(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The attention layers of ``model`` whose KV cache is FP8, by module name."""
     from vllm.model_executor.layers.attention import Attention
 
-    return {n: m for n, m in model.named_modules()
-            if isinstance(m, Attention) and str(m.kv_cache_dtype).startswith("fp8")}
+    return {n: m for n, m in model.named_modules() if isinstance(m, Attention) and fp8_cache(m.kv_cache_dtype)}
 
 
 def _linear_parts(module_name: str, layer: torch.nn.Module, attr: str, param: torch.Tensor,
