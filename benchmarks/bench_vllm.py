@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 
 from benchmarks.headline import Figure, command_line
-from benchmarks.rl_summary import profile_lines, same_work
+from benchmarks.rl_summary import UPDATE_SPLIT, profile_lines, same_work
 from megatron_jetrl.runtime.profiling import COMMUNICATION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -642,6 +642,12 @@ def table(args) -> str:
             if phases_retried:  # the caching allocator at the GPU's limit: a cause of wall time without kernels
                 lines.append(f"{mode:>17} allocation retries a timed step: " + ", ".join(
                     f"{phase} {'/'.join(f'{c:.0f}' for c in counts)}" for phase, counts in phases_retried.items()))
+        for mode, r in step.items():
+            split = r.get("update_split_per_step", {})
+            if "forward_backward_s" in split:  # where the update's wall time went, step by step
+                lines.append(f"{mode:>17} update a timed step: " + ", ".join(
+                    f"{total:.2f} s ({fb:.2f} forward+backward; micro-batch GPU ms median {med:.0f}, max {top:.0f})"
+                    for total, fb, med, top in zip(*(split.get(k, []) for k in UPDATE_SPLIT), strict=False)))
         for mode, r in step.items():
             if "profile" in r:
                 lines.extend(profile_lines(mode, r["profile"]))

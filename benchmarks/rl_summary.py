@@ -43,12 +43,18 @@ def warm_up_steps(offload_actor: bool) -> tuple[int, ...]:
     return (2,) if offload_actor else ()
 
 
+UPDATE_SPLIT = ("update_time_s", "forward_backward_s", "microbatch_gpu_ms_median", "microbatch_gpu_ms_max")
+"""The actor's account of its update's time (``Actor.update``): the whole, the forward and backward of
+every micro-batch until the GPU finished them, and the GPU time a micro-batch took (median, maximum)."""
+
+
 def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
     """One run's numbers from its ``metrics.jsonl`` (shared by scale_summary.py and
     mismatch_study.py): train reward (first and last 10 steps), eval curve, mean mismatch,
     response length and entropy, mean seconds per phase and tokens/s/GPU over steps 2.. (without
     the ``untimed`` steps, e.g. profiled ones; each of those steps' seconds and tokens too), tokens
-    per step, and the largest value of every ``memory/*`` metric. Missing metrics are NaN."""
+    per step, the largest value of every ``memory/*`` metric, each timed step's allocation retries
+    per phase and the actor's ``UPDATE_SPLIT`` where it logged them. Missing metrics are NaN."""
     rows = read_rows(path)
     train = train_rows(rows)
     evals = eval_points(rows)
@@ -81,6 +87,8 @@ def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
                        for k in memory_keys},
         "alloc_retries_per_step": {k[len("memory/"):-len("_alloc_retries")]: [r.get(k, float("nan")) for r in warm]
                                    for k in retry_keys},
+        "update_split_per_step": {k: [r.get(f"actor/{k}", float("nan")) for r in warm] for k in UPDATE_SPLIT
+                                  if any(r.get(f"actor/{k}") is not None for r in warm)},
         "loss_finite": all(r.get("actor/loss") is not None for r in train),
     }
 

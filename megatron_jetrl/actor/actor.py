@@ -93,6 +93,36 @@ class KvScaleMeter:
     scales: Optional[torch.Tensor] = None
 
 
+class _MicroBatchClock:
+    """Where an update's time went, on a GPU: a CUDA event at each micro-batch's forward (queued, no
+    synchronization) and one after the last backward. ``finish(start)`` waits for the GPU once and
+    gives ``forward_backward_s`` (from ``start``, a ``perf_counter`` time, to the last backward's end on
+    the GPU) and the GPU time from one micro-batch's forward to the next (its forward and backward,
+    and any wait for the host or the allocator: a stall shows as a maximum far above the median).
+    Off CUDA, or with fewer than one interval, only what it can say."""
+
+    def __init__(self):
+        self._events: list = []
+        self._cuda = torch.cuda.is_available()
+
+    def mark(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+
+    def finish(self, start: float) -> dict[str, float]:
+        if not self._cuda or not self._events:
+            return {}
+        self.mark()
+        self._events[-1].synchronize()
+        out = {"forward_backward_s": time.perf_counter() - start}
+        ms = sorted(a.elapsed_time(b) for a, b in zip(self._events, self._events[1:], strict=False))
+        if ms:
+            out.update(microbatch_gpu_ms_median=ms[len(ms) // 2], microbatch_gpu_ms_max=ms[-1])
+        return out
+
+
 @dataclass
 class _MicroBatch:
     real_tokens: int
@@ -200,9 +230,11 @@ class Actor:
         """One optimizer step on ``batch`` with ``loss_fn`` (see ``megatron_jetrl.algo.LossInputs``);
         returns the batch's metrics: the loss function's, plus ``entropy``, ``grad_norm``, ``lr``,
         ``loss_scale``, ``update_skipped`` (FP16 overflow, or ``before_step`` said no), ``tokens``,
-        ``micro_batches`` and ``update_time_s``. With ``with_logprobs``, returns (metrics, logprobs):
-        also the per-token log π of the step's own forward ([T], fp32, CPU, as ``compute_logprobs``),
-        computed with the weights before the step, i.e. the weights the batch was generated with.
+        ``micro_batches``, ``update_time_s``, and on a GPU where its time went (``_MicroBatchClock``):
+        ``forward_backward_s``, ``microbatch_gpu_ms_median`` and ``microbatch_gpu_ms_max``. With
+        ``with_logprobs``, returns (metrics, logprobs): also the per-token log π of the step's own
+        forward ([T], fp32, CPU, as ``compute_logprobs``), computed with the weights before the step,
+        i.e. the weights the batch was generated with.
         ``before_step(logprobs) -> bool`` (with ``with_logprobs``; called on every rank, which must
         answer alike): after the forward and backward, whether to take the optimizer step; False
         leaves the weights, the optimizer state and the schedule as they were."""
@@ -220,7 +252,9 @@ class Actor:
                             global_sequences=batch.num_sequences, scale=scale, keep_logprobs=with_logprobs)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(micro_batches, forward_only=False, loss_func=loss_func)
+        clock = _MicroBatchClock()
+        outputs = self._run(micro_batches, forward_only=False, loss_func=loss_func, clock=clock)
+        timeline = clock.finish(start)
         logprobs = None
         if with_logprobs:
             local = self._pipeline_results(outputs, micro_batches, ("logprobs",))
@@ -243,6 +277,7 @@ class Actor:
             tokens=float(batch.tokens.numel()),
             micro_batches=float(len(micro_batches)),
             update_time_s=time.perf_counter() - start,
+            **timeline,
         )
         return (metrics, logprobs) if with_logprobs else metrics
 
@@ -437,9 +472,12 @@ class Actor:
             ))
         return out
 
-    def _run(self, micro_batches: list[_MicroBatch], *, forward_only: bool, loss_func) -> list[dict]:
+    def _run(self, micro_batches: list[_MicroBatch], *, forward_only: bool, loss_func,
+             clock: Optional["_MicroBatchClock"] = None) -> list[dict]:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if clock is not None:
+                clock.mark()
             if self._kv_observer is not None:
                 self._kv_observer.tokens = mb.real_tokens  # not the padding sequence's q/k/v
             output = model(mb.tokens[None], None, None, packed_seq_params=mb.packed)

@@ -148,7 +148,10 @@ class Scenarios:
             losses.append(-(actor.compute_logprobs(batch).logprobs[mask]).mean().item())
             entry.update(losses=losses, loss_scale=[m["loss_scale"] for m in metrics],
                          skipped=[m["update_skipped"] for m in metrics], grad_norm=[m["grad_norm"] for m in metrics],
-                         reported_loss=[m["loss"] for m in metrics])
+                         reported_loss=[m["loss"] for m in metrics],
+                         timeline={k: metrics[-1].get(k) for k in (
+                             "micro_batches", "update_time_s", "forward_backward_s", "microbatch_gpu_ms_median",
+                             "microbatch_gpu_ms_max")})
             if mode == "fp8":
                 entry["fp8_weights_match_after_step"] = self._fp8_weights_match(actor)
             actor.close()
@@ -192,7 +195,7 @@ class Scenarios:
                 seen = {}
                 run = actor._run
 
-                def watched(micro_batches, *, forward_only, loss_func, run=run, seen=seen):
+                def watched(micro_batches, *, forward_only, loss_func, run=run, seen=seen, **more):
                     """The forward under "error" (the first sync raises where it happens: its
                     traceback is recorded, then the pass runs again unwatched); forward +
                     backward under "warn" (every sync, by the Python line it surfaced at)."""
@@ -203,7 +206,7 @@ class Scenarios:
                         warnings.simplefilter("always")
                         torch.cuda.set_sync_debug_mode("error" if forward_only else "warn")
                         try:
-                            return run(micro_batches, forward_only=forward_only, loss_func=loss_func)
+                            return run(micro_batches, forward_only=forward_only, loss_func=loss_func, **more)
                         except RuntimeError as e:
                             if "synchroniz" not in str(e):
                                 raise
@@ -213,7 +216,7 @@ class Scenarios:
                             torch.cuda.set_sync_debug_mode("default")
                             entry["syncs"] += [f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:160]}"
                                                for w in caught if "synchroniz" in str(w.message)]
-                    return run(micro_batches, forward_only=forward_only, loss_func=loss_func)
+                    return run(micro_batches, forward_only=forward_only, loss_func=loss_func, **more)
 
                 g = torch.Generator().manual_seed(3)
                 lens = [1900, 2100, 1500, 2500]

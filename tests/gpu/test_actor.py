@@ -75,6 +75,10 @@ def test_optimizer_steps_lower_the_loss(one_gpu, mode):
     losses = r["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
     assert all(abs(a - b) < 1e-2 * abs(b) + 1e-3 for a, b in zip(r["reported_loss"], losses[:-1], strict=True)), r
+    t = r["timeline"]  # where the update's time went: the forward and backward within it, per micro-batch GPU ms
+    assert 0 < t["forward_backward_s"] <= t["update_time_s"], t
+    if t["micro_batches"] >= 2:
+        assert 0 < t["microbatch_gpu_ms_median"] <= t["microbatch_gpu_ms_max"] < 1e3 * t["forward_backward_s"], t
 
 
 def test_fp16_runs_with_dynamic_loss_scaling(one_gpu):

@@ -178,11 +178,17 @@ def test_table_ratios_and_headline(tmp_path):
 
     (work / "step.json").write_text(json.dumps({
         "fp8": run([3.2, 3.0, 3.3], profile=profile, alloc_retries_per_step={"update": [0.0, 4.0, 2.0]}),
-        "bf16": run([4.0, 4.0, 4.2], alloc_retries_per_step={"update": [0.0, 0.0, 0.0]}),
+        "bf16": run([4.0, 4.0, 4.2], alloc_retries_per_step={"update": [0.0, 0.0, 0.0]},
+                    update_split_per_step={"update_time_s": [1.0, 2.1, 1.0], "forward_backward_s": [0.9, 2.0, 0.9],
+                                           "microbatch_gpu_ms_median": [40.0, 41.0, 40.0],
+                                           "microbatch_gpu_ms_max": [45.0, 1100.0, 44.0]}),
         "fp8kv": run([2.5, 2.4, 2.6])}))
     headline = tmp_path / "headline.json"
     text = _table(work, headline)
     assert "fp8 allocation retries a timed step: update 0/4/2" in text and "bf16 allocation retries" not in text
+    assert ("bf16 update a timed step: 1.00 s (0.90 forward+backward; micro-batch GPU ms median 40, max 45), "
+            "2.10 s (2.00 forward+backward; micro-batch GPU ms median 41, max 1100)") in text
+    assert "fp8 update a timed step" not in text
     assert "1.20x" in text and "1.60x" in text  # 256x4096: fp8 600/500, fp8kv 800/500
     assert "fp8-deep_gemm/bf16" in text and "1.40x" in text  # DeepGEMM 700/500
     data = json.loads(headline.read_text())
@@ -597,7 +603,7 @@ def test_an_offloaded_step_run_warms_up_two_steps(tmp_path, monkeypatch):
 
     def fake_run(cmd, env, stdout, stderr, timeout):
         over = dict(a.split("=", 1) for a in cmd if "=" in a and not a.startswith("-"))
-        seen["cmd"] = cmd
+        seen["cmd"], seen["env"] = cmd, env
         run_dir = Path(over["run.dir"])
         run_dir.mkdir(parents=True)
         job = load_job(ROOT / "benchmarks/configs/qwen3_8b_dims.yaml", ["rollout.offload_actor=true"])

@@ -66,8 +66,10 @@ def test_summary_and_tables(tmp_path):
     for row in rows:
         if "timing/step_s" in row:
             row["memory/update_alloc_retries"] = float(row["step"] % 3)
+            row["actor/forward_backward_s"] = 2.5 + row["step"] / 100
     s = study.summarise(_write(tmp_path / "fp8__none.metrics.jsonl", rows))
     assert s["alloc_retries_per_step"] == {"update": [float(step % 3) for step in range(2, 21)]}  # timed: 2..
+    assert s["update_split_per_step"] == {"forward_backward_s": [2.5 + step / 100 for step in range(2, 21)]}
     assert s["steps"] == 20
     assert s["reward_first10"] == pytest.approx(sum(range(1, 11)) / 10 / 100)
     assert s["reward_last10"] == pytest.approx(sum(range(11, 21)) / 10 / 100)
