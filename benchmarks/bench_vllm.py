@@ -456,6 +456,15 @@ def step_baseline(mode: str, modes) -> str:
     return base if base in modes else "bf16"
 
 
+def env_pair(text: str) -> tuple[str, str]:
+    """``--step-env``'s ``NAME=VALUE`` (VALUE may be empty) as a pair."""
+    name, eq, value = text.partition("=")
+    if not eq or not name or not name.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE, e.g. "
+                                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+    return name, value
+
+
 def step_runs(args) -> dict:
     """``jetrl train`` at Qwen3-8B layer shapes with vLLM rollout, per mode of ``--step-modes``;
     with ``--profile`` one more step, profiled (``run.profile_steps``) and left out of the means."""
@@ -479,6 +488,7 @@ def step_runs(args) -> dict:
                *([f"actor.max_tokens_per_microbatch={args.step_mb_tokens}"] if args.step_mb_tokens else []),
                *([f"run.profile_steps=[{steps}]"] if args.profile else []), "--skip-memory-check"]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(dict(args.step_env))
         t0 = time.perf_counter()
         with open(Path(args.work) / f"step_{mode}.log", "w") as f:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
@@ -747,6 +757,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "uses 18432: fewer, larger micro-batches cut the per-micro-batch gradient accumulation)")
     p.add_argument("--step-offload", action="store_true",
                    help="step: rollout.offload_actor=true (the actor waits in host memory while vLLM generates)")
+    p.add_argument("--step-env", action="append", default=[], metavar="NAME=VALUE", type=env_pair,
+                   help="step: an environment variable of every mode's jetrl train (repeatable), e.g. "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False against the launcher's default")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--fp8-gemm", default="auto", choices=["auto", "cutlass", "deep_gemm"],
                    help="vLLM's block-FP8 GEMM (rollout.vllm.fp8_gemm); auto: the engine's default, DeepGEMM. "

@@ -141,9 +141,10 @@ class Figure:
         return cls(value, min(len(num), len(den)), (min(num) / max(den), max(num) / min(den)))
 
 
-RECORDED_ENV = ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES",)
+RECORDED_ENV = ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "PYTORCH_CUDA_ALLOC_CONF")
 """Environment variables that change what a benchmark measures (Transformer Engine's scale format,
-read at its import): a command records the ones set."""
+read at its import; torch's allocator settings, which a job's launcher otherwise sets): a command
+records the ones set."""
 
 
 OUTPUT_OPTIONS = ("--headline", "--json", "--work", "--out")

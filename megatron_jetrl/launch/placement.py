@@ -194,6 +194,10 @@ BACKEND_DEFAULTS = {
     # a failed collective tears the process down instead of hanging the job until the wall time
     "TOKENIZERS_PARALLELISM": "false",
     # the reward workers fork after the tokenizer was used
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    # the actor and a colocated engine take turns at the whole GPU: segments that grow and shrink in
+    # place instead of fixed blocks the update cannot reuse (at the GPU's limit torch's allocator
+    # then frees its cache, synchronizes and retries; vLLM's sleep-mode pool turns them off for itself)
 }
 
 

@@ -616,14 +616,21 @@ def test_an_offloaded_step_run_warms_up_two_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_vllm.subprocess, "run", fake_run)
     monkeypatch.setattr(bench_vllm, "_gpu_name", lambda: "GPU X")
     args = bench_vllm.build_parser().parse_args(["step", "--step-modes", "fp8", "--step-offload", "--profile",
-                                                 "--work", str(tmp_path)])
+                                                 "--work", str(tmp_path), "--step-env", "A_B=x:y", "--step-env", "C="])
     result = bench_vllm.step_runs(args)["fp8"]
     assert "run.steps=6" in seen["cmd"] and "run.profile_steps=[6]" in seen["cmd"]
+    assert seen["env"]["A_B"] == "x:y" and seen["env"]["C"] == ""
     assert result["seconds_per_step"]["step"] == [30.0, 40.0, 50.0]  # steps 3, 4, 5
     assert result["seconds_per_step"]["colocate"] == [2.0, 2.0, 2.0]
     from benchmarks.rl_summary import warm_up_steps
 
     assert warm_up_steps(False) == ()  # without offload only step 1 warms up
+
+
+def test_step_env_must_be_name_equals_value(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_vllm.build_parser().parse_args(["step", "--step-env", "expandable_segments"])
+    assert e.value.code == 2 and "expected NAME=VALUE" in capsys.readouterr().err
 
 
 def test_step_json_holds_the_modes_that_finished_and_nothing_older(tmp_path, monkeypatch):

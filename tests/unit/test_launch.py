@@ -4,6 +4,7 @@ import pytest
 
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.launch import (
+    BACKEND_DEFAULTS,
     PORT_BASE,
     PORT_SPAN,
     LaunchError,
@@ -140,6 +141,17 @@ def test_tp_groups_stay_inside_a_node():
     with pytest.raises(ConfigError, match="rollout.vllm.tensor_parallel_size"):
         check_parallel_layout(2, 8, ParallelLayout(tp=2), 16)
     check_parallel_layout(1, 4, ParallelLayout(tp=4), 4)
+
+
+def test_the_allocator_grows_segments_in_place_unless_the_job_sets_it():
+    """The colocated actor and engine take turns at the whole GPU: jetrl train makes torch's allocator
+    grow segments in place (no retry storms at the limit); a value the job's environment sets stays."""
+    env: dict[str, str] = {}
+    apply_env(env, {}, BACKEND_DEFAULTS)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    apply_env(env, {}, BACKEND_DEFAULTS)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
 
 
 def test_apply_env_sets_required_and_defaults_and_refuses_conflicts():
