@@ -1,8 +1,8 @@
 """The exact forward's elementwise CUDA kernels equal their eager torch references on CUDA bit for bit:
 ``silu_mul`` (megatron's SwiGLU: ``F.silu(gate) * up``, the value vLLM must compute in the exact mode)
-``static_fp8_quant`` (an FP8 KV cache's query codes) and ``ordered_sum`` (the exact mode's TP
-reduction), over wide value ranges, special values, odd shapes (the kernels' one-element path) and
-rows alone vs in a batch."""
+``static_fp8_quant`` (an FP8 KV cache's query codes), the compiled cache values of the FP8 KV
+backward and ``ordered_sum`` (the exact mode's TP reduction), over wide value ranges, special
+values, odd shapes (the kernels' one-element path) and rows alone vs in a batch."""
 
 import pytest
 import torch
@@ -76,6 +76,24 @@ def test_static_fp8_quant_special_values_odd_shapes_and_scalar_scales(dtype):
     _same_codes(static_fp8_quant(odd, s), static_fp8_quant_reference(odd, s), f"{dtype} odd shape")
     x = _values((256, 4096), dtype, seed=10)
     _same_codes(static_fp8_quant(x[17:18], s), static_fp8_quant(x, s)[17:18], f"{dtype} a row alone")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fp8_kv_backwards_cache_values_compiled_equal_the_eager_ops(dtype):
+    """``fp8_cache_values`` on CUDA (one torch.compile kernel) against its eager ops: the cache's
+    values and the in-range mask the FP8 KV attention's backward takes, at a micro-batch's q and at
+    another token count (dynamic shapes), with special values."""
+    from megatron_jetrl.actor.exact import cache_values_and_range, fp8_cache_values
+
+    s = torch.tensor([2.5 / 448], device="cuda")
+    for shape in ((8192, 32, 128), (777, 8, 128)):
+        t = _values(shape, dtype, seed=shape[0], spread=2.0)
+        t.view(-1)[:16] = _special(dtype)
+        values, inside = fp8_cache_values(t, s)
+        want_values, want_inside = cache_values_and_range(t, static_fp8_quant(t, s), s)
+        assert_same_bits(values, want_values, f"{dtype} {shape} values")
+        assert torch.equal(inside, want_inside), f"{dtype} {shape}: the in-range mask differs"
+        assert (~inside).any() and inside.any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,8 +17,8 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
 
-from megatron_jetrl.actor.exact import (ExactRMSNorm, _ExactAttentionFn, exact_rope, fp8_cache_values,  # noqa: E402
-                                        recompute_backward)
+from megatron_jetrl.actor.exact import (ExactRMSNorm, _compiled_cache_values, _ExactAttentionFn,  # noqa: E402
+                                        cache_values_and_range, exact_rope, fp8_cache_values, recompute_backward)
 from megatron_jetrl.actor.layers import EXACT_ATTR, apply_rotary_pos_emb_packed, packed_positions  # noqa: E402
 from megatron_jetrl.actor.logprobs import vocab_parallel_logprobs  # noqa: E402
 from megatron_jetrl.algo import mismatch_metrics  # noqa: E402
@@ -622,6 +622,30 @@ def test_the_fp8_kv_attention_backward_is_taken_at_the_values_the_cache_holds():
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         want = torch.autograd.grad(attention(qg, kg, vg, None, 6, 0.1), (qg, kg, vg), dout)
     assert all(torch.equal(a, b) for a, b in zip(plain[:3], want, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_compiled_cache_values_are_the_eager_ones_bit_for_bit(dtype):
+    """The one kernel the FP8 KV backward runs on CUDA (torch.compile of ``cache_values_and_range``) gives
+    the eager ops' values and range mask, here compiled for the CPU: at token counts that change (one
+    compilation), on values inside, at and past the clamp, subnormal codes, signed zeros, inf and NaN."""
+    from megatron_jetrl.ops.exact import static_fp8_quant
+
+    compiled = _compiled_cache_values()
+    scale = torch.tensor([2.0 / 448])
+    g = torch.Generator().manual_seed(0)
+    for tokens in (5, 37):
+        t = (torch.randn(tokens, 3, 128, generator=g) * 1.5).to(dtype)
+        flat = t.view(-1)
+        flat[:8] = torch.tensor([2.0, -2.0, 2.0001, 0.0, -0.0, float("inf"), float("nan"), 1e-4]).to(dtype)
+        codes = static_fp8_quant(t, scale)
+        want, got = cache_values_and_range(t, codes, scale), compiled(t, codes, scale)
+        assert got[0].dtype == dtype and got[1].dtype == torch.bool
+        nan = want[0].isnan()  # a NaN's payload bits are the compiler's: only where NaN is must agree
+        assert torch.equal(got[0].isnan(), nan) and nan.any()
+        assert torch.equal(got[0][~nan].view(torch.int16), want[0][~nan].view(torch.int16))  # -0 and inf included
+        assert torch.equal(got[1], want[1])
+        assert want[1].logical_not().any() and want[1].any()
 
 
 def _kernels(deep_gemm, calls: list) -> VllmKernels:
