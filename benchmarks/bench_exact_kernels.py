@@ -7,11 +7,13 @@ This suite times each op alone, so a kernel change is measured in a minute inste
 Ops, each at Qwen3-8B widths and at decode and prefill row counts (``--rows``):
 - **add + RMSNorm + 1x128 FP8 quantization** (before the QKV and gate/up linears):
   - exact: ``ops.exact.rms_norm_quant``, one kernel;
+  - exact in two kernels: ``add_rms_norm`` then the trainer's quantization (the same bytes, tested);
   - vLLM's fused kernel, ``rms_norm_per_block_quant``;
   - vLLM's ``fused_add_rms_norm`` then the trainer's quantization: what the default engine runs
     with ``activation_quant: trainer``.
 - **SiLU·mul + 1x128 FP8 quantization** (before the down projection):
   - exact: ``ops.exact.silu_mul_quant``;
+  - exact in two kernels: ``silu_mul`` then the trainer's quantization (the same bytes, tested);
   - vLLM's fused ``silu_and_mul_per_block_quant``;
   - vLLM's ``silu_and_mul`` then the trainer's quantization.
 - **floor**: a device copy of the bytes the op must read and write.
@@ -82,13 +84,16 @@ def norm_variants(rows: int, ops) -> tuple[dict[str, Callable[[], object]], int]
     """The add + RMSNorm + quantization variants at ``rows``, and the bytes the op moves."""
     from megatron_jetrl.ops.exact import rms_norm_quant
     from megatron_jetrl.ops.quantize import quantize_rows
+    from megatron_jetrl.ops.rms_norm import add_rms_norm
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     x, residual = (torch.randn(rows, HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(2))
     w = (1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).bfloat16()
     moved = rows * HIDDEN * (2 + 2 + 2 + 1) + rows * HIDDEN // 128 * 4  # x, residual in; sum, codes, scales out
     variants: dict[str, Callable[[], object]] = {
-        "exact": lambda: rms_norm_quant(x, w, EPS, residual, pow2_scales=False, quant_eps=QUANT_EPS, m_align=M_ALIGN)}
+        "exact": lambda: rms_norm_quant(x, w, EPS, residual, pow2_scales=False, quant_eps=QUANT_EPS, m_align=M_ALIGN),
+        "exact_two_kernels": lambda: quantize_rows(add_rms_norm(x, residual, w, EPS)[0], pow2_scales=False,
+                                                   eps=QUANT_EPS, m_align=M_ALIGN)}
     if ops is not None:
         x2, r2 = x.clone(), residual.clone()  # vLLM's ops add into the residual in place
         variants["vllm_fused"] = lambda: ops.rms_norm_per_block_quant(
@@ -105,14 +110,15 @@ def norm_variants(rows: int, ops) -> tuple[dict[str, Callable[[], object]], int]
 
 def silu_variants(rows: int, ops) -> tuple[dict[str, Callable[[], object]], int]:
     """The SiLU·mul + quantization variants at ``rows``, and the bytes the op moves."""
-    from megatron_jetrl.ops.exact import silu_mul_quant
+    from megatron_jetrl.ops.exact import silu_mul, silu_mul_quant
     from megatron_jetrl.ops.quantize import quantize_rows
 
     g = torch.Generator(device="cuda").manual_seed(rows + 1)
     x = torch.randn(rows, 2 * INTERMEDIATE, generator=g, device="cuda").bfloat16()
     moved = rows * 2 * INTERMEDIATE * 2 + rows * INTERMEDIATE + rows * INTERMEDIATE // 128 * 4
     variants: dict[str, Callable[[], object]] = {
-        "exact": lambda: silu_mul_quant(x, pow2_scales=False, quant_eps=QUANT_EPS, m_align=M_ALIGN)}
+        "exact": lambda: silu_mul_quant(x, pow2_scales=False, quant_eps=QUANT_EPS, m_align=M_ALIGN),
+        "exact_two_kernels": lambda: quantize_rows(silu_mul(x), pow2_scales=False, eps=QUANT_EPS, m_align=M_ALIGN)}
     if ops is not None:
         variants["vllm_fused"] = lambda: ops.silu_and_mul_per_block_quant(x, 128, torch.float8_e4m3fn,
                                                                           is_scale_transposed=True)
