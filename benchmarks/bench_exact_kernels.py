@@ -141,6 +141,9 @@ def floor(moved: int) -> Callable[[], object]:
 
 def run(rows_list: list[int], calls: int, repeats: int) -> list[dict]:
     ops = vllm_ops()
+    if ops is None:
+        print("bench_exact_kernels: vLLM does not import here, so only the exact kernels and the floor are timed "
+              "(pip install 'megatron-jetrl[vllm]' for vLLM's columns)", file=sys.stderr, flush=True)
     results = []
     for op, make in (("add+rmsnorm+quant", norm_variants), ("silu*mul+quant", silu_variants)):
         for rows in rows_list:
