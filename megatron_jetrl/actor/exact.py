@@ -319,7 +319,7 @@ def fp8_cache_values(t: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
     (``static_fp8_quant``) times the scale, in t's dtype; and where t was inside the codes' range
     (``|t| <= 448 * scale``; outside, the forward saw the clamp, whose gradient is zero). On CUDA
     both from one compiled kernel (``cache_values_and_range``), instead of seven eager passes over
-    fp32 copies of t (a third of the FP8 KV cache's cost in the exact update)."""
+    fp32 copies of t."""
     codes = static_fp8_quant(t, scale)
     impl = _compiled_cache_values() if t.is_cuda else cache_values_and_range
     return impl(t, codes, scale)
