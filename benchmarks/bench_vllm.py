@@ -82,7 +82,7 @@ KERNEL_CLASSES = (  # first match wins; names of cuBLAS, CUTLASS, DeepGEMM, Flas
     COMMUNICATION,  # at TP > 1: vLLM's custom all-reduce, NCCL
     ("kv cache write", r"reshape_and_cache|cache_kernel"),
     ("attention", r"flash|fmha|attn|attention|paged"),
-    ("gemm", r"gemm|cutlass|nvjet|xmma|sm90_|deep_gemm|scaled_mm|splitk|cublas"),
+    ("gemm", r"gemm|cutlass|nvjet|xmma|sm90_|deep_gemm|scaled_mm|splitk|cublas|matmul"),  # matmul: the exact LM head's
     ("fp8 quant", r"quant|fp8|per_token_group"),
     ("norm / rope / act", r"norm|rotary|rope|silu|act_and_mul|gelu"),
     ("sampling", r"sampl|topk|top_k|softmax|argmax|gumbel|exponential|multinomial|sort|cumsum"),
@@ -299,7 +299,8 @@ def warm_start(args, mode: str, name: str) -> None:
 def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps: int = 32) -> dict:
     """GPU kernel time of ``steps`` decode steps at ``batch``, by class: a profile of prefill plus
     ``steps`` new tokens minus one of the same prefill with one new token (after a warm-up);
-    ``top_kernels_ms`` and ``launches`` name where the time goes and how many kernels ran."""
+    ``top_kernels_ms`` and ``launches`` name where the time goes and how many kernels ran,
+    ``other_kernels_ms`` the largest that no class names (e.g. Inductor's fused Triton kernels)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -325,7 +326,8 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
     kernels = {k: v - prefill.get(k, 0.0) for k, v in whole.items()}
     classes = by_class(kernels, KERNEL_CLASSES)
     top = largest(kernels)
-    return {"batch": batch, "steps": steps, "classes_ms": classes, "top_kernels_ms": top,
+    other = largest({k: ms for k, ms in kernels.items() if by_class({k: ms}, KERNEL_CLASSES).keys() == {"other"}}, 8)
+    return {"batch": batch, "steps": steps, "classes_ms": classes, "top_kernels_ms": top, "other_kernels_ms": other,
             "prefill_ms": sum(prefill.values()), "kernels_per_step": (whole_n - prefill_n) / steps,
             "wall_ms_per_step": 1e3 * (whole_s - prefill_s) / steps}
 
