@@ -289,7 +289,7 @@ class Trainer:
                                     "Continue from the last checkpoint with precision.exact_mismatch=correct "
                                     "(such steps recompute and correct their old logprobs) or precision.exact=false")
             self.console.warn(f"{problem}; recomputing this step's old logprobs and updating with "
-                             f"algo.correction (mode {self.job.algo.correction.mode})")
+                              f"algo.correction (mode {self.job.algo.correction.mode})")
             corrected, extra, _ = self.prepare_update(batch, recompute=True)
             metrics = {f"actor/{k}": v for k, v in self.actor.update(corrected, self.loss_fn).items()}
             metrics.update({**extra, **{f"exact/{k.rpartition('/')[2]}": v for k, v in mismatch.items()},

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -117,7 +118,7 @@ class _MicroBatchClock:
         self.mark()
         self._events[-1].synchronize()
         out = {"forward_backward_s": time.perf_counter() - start}
-        ms = sorted(a.elapsed_time(b) for a, b in zip(self._events, self._events[1:], strict=False))
+        ms = sorted(a.elapsed_time(b) for a, b in itertools.pairwise(self._events))
         if ms:
             out.update(microbatch_gpu_ms_median=ms[len(ms) // 2], microbatch_gpu_ms_max=ms[-1])
         return out

@@ -187,7 +187,7 @@ def llm_kwargs(model_path: str | Path, hf_config: Mapping[str, Any], recipe: Pre
         compilation["pass_config"] = {"fuse_norm_quant": False, "fuse_act_quant": False}
     if compilation:
         kwargs["compilation_config"] = compilation
-    return vllm_exact.llm_kwargs(kwargs, hf_config) if recipe.exact else kwargs
+    return vllm_exact.llm_kwargs(kwargs) if recipe.exact else kwargs
 
 
 def model_dir(hf_config: Mapping[str, Any], cache_root: Path) -> Path:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
@@ -245,7 +245,7 @@ def uninstall() -> None:
         _forget_rotary_embeddings()
 
 
-def llm_kwargs(kwargs: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+def llm_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments of an exact engine, from the engine's usual ones."""
     out = dict(kwargs)
     out["block_size"] = KV_PAGE

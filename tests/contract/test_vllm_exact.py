@@ -159,7 +159,7 @@ def test_with_an_fp8_kv_cache_a_prefill_attends_in_the_trainers_query_segments(t
     hf, model_dir = model.config, write_config(model, tmp_path / "ckpt")
     fp8 = cpu_vllm_config(model_dir, PrecisionRecipe(exact=True), VllmOptions(kv_cache_dtype="fp8"))
     assert not fp8.scheduler_config.long_prefill_token_threshold
-    kwargs = vllm_exact.llm_kwargs({"kv_cache_dtype": "fp8"}, {"num_attention_heads": 2})
+    kwargs = vllm_exact.llm_kwargs({"kv_cache_dtype": "fp8"})
     assert kwargs["compilation_config"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"  # segmented steps: no full graph
     chunk = fp8_kv_query_chunk(hf.num_attention_heads, hf.num_key_value_heads)
     builder = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8"), num_heads_q=hf.num_attention_heads,
@@ -269,10 +269,9 @@ def test_above_tp_2_the_exact_all_reduce_sums_the_ranks_in_order(tmp_path):
 
 
 def test_an_exact_engine_above_tp_2_turns_off_the_passes_that_rewrite_the_all_reduce():
-    hf = {"num_attention_heads": 32, "num_key_value_heads": 8}
-    four = vllm_exact.llm_kwargs({"tensor_parallel_size": 4}, hf)
+    four = vllm_exact.llm_kwargs({"tensor_parallel_size": 4})
     passes = four["compilation_config"]["pass_config"]
     assert passes and all(passes[name] is False for name in passes), passes
     assert set(passes) <= set(vllm_exact.REWRITING_PASSES) and "fuse_allreduce_rms" in passes
-    two = vllm_exact.llm_kwargs({"tensor_parallel_size": 2}, hf)
+    two = vllm_exact.llm_kwargs({"tensor_parallel_size": 2})
     assert "pass_config" not in two.get("compilation_config", {})
