@@ -231,6 +231,12 @@ def decode_child(args) -> dict:
         args.result.write_text(json.dumps({**out, "complete": False}, indent=1))  # kept if a later case is cut off
     if args.profile:
         out["profile"] = profile_decode(engine, vocab, args.prompt_len, batch=args.profile_batch)
+    if args.host_profile:
+        out["host_profile"] = hp = host_profile(engine, vocab, args.prompt_len, batch=args.profile_batch)
+        print(f"[{args.mode}] host time a decode step at batch {hp['batch']} (wall {hp['wall_ms_per_step']:.2f} ms "
+              "without the profiler), by function: self ms, total ms, calls", flush=True)
+        for f in hp["functions"][:20]:
+            print(f"  {f['self_ms']:7.3f} {f['total_ms']:7.3f} {f['calls_per_step']:8.1f}  {f['function']}", flush=True)
     engine.close()
     return {**out, "complete": True}
 
@@ -294,6 +300,40 @@ def warm_start(args, mode: str, name: str) -> None:
     out.write_text(json.dumps({**json.loads(out.read_text()), "engine_start_warm_s": statistics.median(starts),
                                "engine_start_warm_s_all": starts}, indent=1))
     print(f"decode {name}: warm engine start {statistics.median(starts):.0f} s (median of {len(starts)})", flush=True)
+
+
+def host_profile(engine, vocab: int, prompt_len: int, batch: int = 256, steps: int = 256, top: int = 30) -> dict:
+    """Host time of ``steps`` decode steps at ``batch`` by Python function (cProfile, after a warm-up):
+    ms a decode step of each of the ``top`` functions with the most time of their own (``self_ms``) and
+    with their callees (``total_ms``), beside the step's wall time without the profiler. Where the
+    engine's loop, not the GPU, sets the pace, this says which host work does."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    from megatron_jetrl.rollout import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=steps, seed=4)
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    profiler = cProfile.Profile()
+    profiler.enable()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, self s, total s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"batch": batch, "steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
+            "functions": [{"function": f"{Path(file).name}:{line}:{name}", "calls_per_step": calls / steps,
+                           "self_ms": self_s * 1e3 / steps, "total_ms": total_s * 1e3 / steps}
+                          for (file, line, name), (_, calls, self_s, total_s, _) in rows]}
 
 
 def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps: int = 32) -> dict:
@@ -781,6 +821,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(vllm_engine_start_cold_s: their median)")
     p.add_argument("--cold-start-repeats", type=int, default=3, help="decode --cold-start: starts per mode")
     p.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)  # _child decode: build and close only
+    p.add_argument("--host-profile", action="store_true",
+                   help="decode: also the host time a decode step by Python function (cProfile; --profile-batch)")
     p.add_argument("--profile-batch", type=int, default=256, help="decode --profile: sequences in the profiled steps")
     p.add_argument("--headline-case", default="256x4096")
     p.add_argument("--headline", type=Path)
@@ -819,7 +861,8 @@ def main(argv=None) -> int:
         for mode in args.modes.split(","):
             gemm = _gemm(args, mode)
             name = decode_name(mode, gemm)
-            result = run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else []),
+            result = run_child("decode", args, [mode, "--cases", args.cases] + (["--profile"] if args.profile else [])
+                               + (["--host-profile"] if args.host_profile else []),
                                name=name)
             if args.warm_start and result is not None:
                 warm_start(args, mode, name)
