@@ -56,6 +56,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Mapping, Sequence
 
 from benchmarks.headline import Figure, command_line
 from benchmarks.rl_summary import UPDATE_SPLIT, profile_lines, same_work
@@ -562,6 +563,32 @@ def step_layers_note(layers: int) -> str:
     return f"measured at {layers} decoder layers; the target is stated for {STEP_TARGET_LAYERS}"
 
 
+STEP_PHASE_SPREAD = 1.2
+"""A phase whose slowest timed step took more than this times its fastest is noted in the headline:
+the ratio's spread then comes mostly from that phase's step-to-step variance, not from the modes."""
+
+
+STEP_PHASE_SHARE = 0.1
+"""...of the phases that take at least this share of the step (the others cannot move the ratio much)."""
+
+
+def step_spread_note(sides: Mapping[str, Mapping[str, Sequence[float]]]) -> str:
+    """The headline note naming each phase of a ratio's two sides (mode -> phase -> seconds a timed
+    step) that varied by more than ``STEP_PHASE_SPREAD`` over the timed steps ("" when none did)."""
+    varied = [f"{mode} {phase} {min(sec):.2f}-{max(sec):.2f} s" for mode, phases in sides.items()
+              for phase, sec in phases.items() if phase != "step" and sec and min(sec) > 0
+              and statistics.median(sec) >= STEP_PHASE_SHARE * statistics.median(phases["step"])
+              and max(sec) / min(sec) > STEP_PHASE_SPREAD]
+    if not varied:
+        return ""
+    return (f"within the run, {'; '.join(varied)} over the timed steps: the ratio moves with that "
+            "step-to-step variance")
+
+
+def join_notes(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
 def step_config(run_dir: Path) -> dict:
     """What the table names of a step run, read from the config the run resolved (run_dir/config.yaml,
     written by ``jetrl train``), not restated from the benchmark's arguments and the YAML's defaults."""
@@ -674,7 +701,8 @@ def table(args) -> str:
                          + f" {ratios['step'].spread[0]:>6.2f}x-{ratios['step'].spread[1]:.2f}x")
             if equal_work and base == "bf16" and mode in STEP_HEADLINE:  # the product's FP8 rollouts over BF16
                 against = "the BF16 step with its logprob recompute (the same run, one mode after the other)"
-                headline[STEP_HEADLINE[mode]] = (ratios["step"].against(against).noted(layers_note), step[mode])
+                note = join_notes(layers_note, step_spread_note({base: timed[base], mode: timed[mode]}))
+                headline[STEP_HEADLINE[mode]] = (ratios["step"].against(against).noted(note), step[mode])
                 if mode == "fp8":
                     headline["rl_generate_fp8_over_bf16"] = (
                         ratios["generate"].against("BF16's generate phase").noted(layers_note), step[mode])
@@ -685,9 +713,10 @@ def table(args) -> str:
             if equal_work:
                 gemm = step["fp8"].get("config", {}).get("fp8_gemm", "the command's --fp8-gemm")
                 gemm = {"auto": "DeepGEMM", "deep_gemm": "DeepGEMM", "cutlass": "CUTLASS"}.get(gemm, gemm)
+                note = join_notes(layers_note, step_spread_note({"fp8": timed["fp8"], "fp8-exact": timed["fp8-exact"]}))
                 headline["rl_step_exact_over_default"] = (
                     exact.against(f"the default FP8 step ({gemm}; with its logprob recompute), the same run")
-                    .noted(layers_note), step["fp8-exact"])
+                    .noted(note), step["fp8-exact"])
         retried = {mode: {phase: counts for phase, counts in r.get("alloc_retries_per_step", {}).items()
                           if any(c for c in counts if c == c)} for mode, r in step.items()}
         for mode, phases_retried in retried.items():

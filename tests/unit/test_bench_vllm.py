@@ -816,3 +816,15 @@ def test_an_older_entrys_host_paths_become_placeholders_when_the_file_is_written
     source.write_text(json.dumps({"actor_step_fp8_over_bf16": entry}))
     merge(headline, [source])
     assert json.loads(headline.read_text())["actor_step_fp8_over_bf16"]["command"] == expected
+
+
+def test_a_step_ratio_notes_a_large_phase_that_varied_over_the_timed_steps():
+    from benchmarks.bench_vllm import step_spread_note
+
+    steady = {"generate": [5.0, 5.1, 5.2], "logprobs": [1.8, 1.9, 1.8], "score": [0.05, 0.1, 0.14],
+              "step": [12.0, 12.2, 12.3]}
+    assert step_spread_note({"bf16": steady, "fp8-exact": steady}) == ""  # score varied, but is 1 % of the step
+    varied = {**steady, "generate": [5.85, 6.57, 8.52], "step": [13.4, 14.3, 16.3]}
+    note = step_spread_note({"bf16": varied, "fp8-exact": steady})
+    assert note.startswith("within the run, bf16 generate 5.85-8.52 s over the timed steps")
+    assert "fp8-exact" not in note and "score" not in note
