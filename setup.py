@@ -29,7 +29,7 @@ except ImportError as e:  # pragma: no cover - exercised only by a broken instal
 
 def extension():
     cpp = ["csrc/bindings.cpp", "csrc/copy_segments.cpp", "csrc/quantize.cpp", "csrc/quantize_cpu.cpp",
-           "csrc/rms_norm.cpp", "csrc/rope.cpp", "csrc/elementwise.cpp", "csrc/sampling.cpp"]
+           "csrc/rms_norm.cpp", "csrc/rope.cpp", "csrc/elementwise.cpp"]
     cxx = ["-O3", "-std=c++17"]
     if torch.version.cuda is not None and CUDA_HOME is not None:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")

@@ -6,7 +6,6 @@
 #include "quantize.h"
 #include "rms_norm.h"
 #include "rope.h"
-#include "sampling.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron-jetrl kernels: fused FP8 E4M3 block quantization, batched 2-D byte copies";
@@ -36,8 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("scale"));
   m.def("rope", &jetrl::rope, "rotary embedding of the exact forward, megatron's rounding (see rope.h)",
         py::arg("x"), py::arg("positions"), py::arg("inv_freq"));
-  m.def("exponential_noise_", &jetrl::exponential_noise_,
-        "seeded Exp(1) noise of a sampler, every seeded row in one launch (CUDA, see sampling.h)", py::arg("q"),
-        py::arg("table"));
   m.def("with_cuda", &jetrl::with_cuda, "whether the CUDA kernels were compiled in");
 }

@@ -31,7 +31,6 @@
 # --actor "ARGS": the actor-step benchmark (ARGS are bench_actor_step.py's), torchrun on one
 # GPU; repeatable. --linear: the FP8 linear benchmark, its headline key into /tmp/bench_vllm/headline_linear.json.
 # --kernels: the exact engine's fused norm / SiLU·mul kernels against vLLM's (benchmarks/bench_exact_kernels.py).
-# --sampler: vLLM's seeded sampling against the engine's batched noise (benchmarks/bench_sampler.py).
 # --tp-reduce: the exact rollout's ordered TP reduction against NCCL's, torchrun over every visible GPU,
 # its headline key into /tmp/bench_vllm/headline_tp_reduce.json.
 # --with-te: Transformer Engine for this run only (waits up to 20 min for the five .te_pK folders the
@@ -41,7 +40,7 @@
 #   carrying call K (1-5): mkdir -p /tmp/teb && cp -r .te_pK /tmp/teb/.te_pK.tmp && mv /tmp/teb/.te_pK.tmp /tmp/teb/.te_pK
 set -uo pipefail
 tests="" decode="" cases="64x512,256x512,64x4096,256x4096" profile="" sync="" step=0 table=0 gemm=auto
-sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 kernels=0 sampler=0 tp_reduce=0 with_te=0 step_args="" ablation="" decode_args=""
+sync_tp="1:1" step_modes="fp8,bf16" actor=() linear=0 kernels=0 tp_reduce=0 with_te=0 step_args="" ablation="" decode_args=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests="$2"; shift ;;
@@ -57,7 +56,6 @@ while [ $# -gt 0 ]; do
     --actor) actor+=("$2"); shift ;;
     --linear) linear=1 ;;
     --kernels) kernels=1 ;;
-    --sampler) sampler=1 ;;
     --tp-reduce) tp_reduce=1 ;;
     --with-te) with_te=1 ;;
     --step-args) step_args="$2"; step=1; shift ;;
@@ -146,12 +144,6 @@ if [ $kernels -eq 1 ]; then
   python3 -m benchmarks.bench_exact_kernels --json "$out/exact_kernels.json" >"$out/exact_kernels.log" 2>&1
   r=$?; [ $r -eq 0 ] || rc=$r
   echo "exact kernels: rc=$r in $(( $(date +%s) - t0 )) s"; grep -v -i warn "$out/exact_kernels.log" | tail -30
-fi
-if [ $sampler -eq 1 ]; then
-  t0=$(date +%s)
-  python3 -m benchmarks.bench_sampler --json "$out/sampler.json" >"$out/sampler.log" 2>&1
-  r=$?; [ $r -eq 0 ] || rc=$r
-  echo "sampler: rc=$r in $(( $(date +%s) - t0 )) s"; grep -v -i warn "$out/sampler.log" | tail -12
 fi
 if [ $tp_reduce -eq 1 ]; then
   t0=$(date +%s)

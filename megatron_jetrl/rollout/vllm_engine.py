@@ -57,7 +57,7 @@ import torch
 from megatron_jetrl.config import ConfigError
 from megatron_jetrl.models import bridge_for
 from megatron_jetrl.precision import PrecisionRecipe
-from megatron_jetrl.rollout import vllm_activation_quant, vllm_exact, vllm_sampling
+from megatron_jetrl.rollout import vllm_activation_quant, vllm_exact
 from megatron_jetrl.rollout.settings import VllmOptions
 from megatron_jetrl.rollout.base import (MissingWeights, Sample, SamplingParams, TensorMeta, WeightMismatch,
                                          check_against_specs)
@@ -300,7 +300,6 @@ class VllmEngine:
                 vllm_activation_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon, exact=recipe.exact)
             if recipe.exact:
                 vllm_exact.install()
-            vllm_sampling.install()  # the seeded requests' noise in one kernel, not one launch each
             self._llm = vllm.LLM(**llm_kwargs(path, config, recipe, options))
             if recipe.rollout_fp8:
                 _check_no_requantization(vllm)
@@ -434,7 +433,6 @@ class VllmEngine:
             self._open = False
             vllm_activation_quant.uninstall()  # a later engine of this process chooses again
             vllm_exact.uninstall()
-            vllm_sampling.uninstall()
 
     def _map_back(self, asleep: list[str]) -> bool:
         """Wake ``asleep`` for ``close``; False, saying so in one line, when the GPU has no room for
