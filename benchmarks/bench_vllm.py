@@ -589,6 +589,22 @@ def join_notes(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
+def cpu_lines(mode: str, seconds: Mapping[str, Sequence[float]], cpu: Mapping[str, Mapping[str, Sequence[float]]]
+              ) -> list[str]:
+    """Per phase with CPU counts (``rl_summary.CPU_PHASES``), a timed step each: wall seconds, this
+    process's CPU seconds and the other processes' (the machine's less this process's)."""
+    lines = []
+    for phase, who in cpu.items():
+        process, machine = who.get("process", []), who.get("machine", [])
+        steps = [f"wall {wall:.2f} / this process {own:.2f}"
+                 + (f" / others {mach - own:.2f}" if not math.isnan(mach) else "")
+                 for wall, own, mach in zip(seconds.get(phase, []), process, machine or [math.nan] * len(process),
+                                            strict=False)]
+        if steps:
+            lines.append(f"{mode:>17} {phase} CPU s a timed step: " + ", ".join(steps))
+    return lines
+
+
 def step_config(run_dir: Path) -> dict:
     """What the table names of a step run, read from the config the run resolved (run_dir/config.yaml,
     written by ``jetrl train``), not restated from the benchmark's arguments and the YAML's defaults."""
@@ -729,6 +745,8 @@ def table(args) -> str:
                 lines.append(f"{mode:>17} update a timed step: " + ", ".join(
                     f"{total:.2f} s ({fb:.2f} forward+backward; micro-batch GPU ms median {med:.0f}, max {top:.0f})"
                     for total, fb, med, top in zip(*(split.get(k, []) for k in UPDATE_SPLIT), strict=False)))
+        for mode, r in step.items():
+            lines.extend(cpu_lines(mode, timed[mode], r.get("cpu_per_step", {})))
         for mode, r in step.items():
             if "profile" in r:
                 lines.extend(profile_lines(mode, r["profile"]))

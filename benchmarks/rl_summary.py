@@ -48,6 +48,11 @@ UPDATE_SPLIT = ("update_time_s", "forward_backward_s", "microbatch_gpu_ms_median
 every micro-batch until the GPU finished them, and the GPU time a micro-batch took (median, maximum)."""
 
 
+CPU_PHASES = ("generate", "logprobs", "update")
+"""The phases whose CPU seconds (``cpu/<phase>_{process,machine}_s``, runtime/timing.py) a summary keeps:
+this process's and the whole machine's, a timed step each."""
+
+
 def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
     """One run's numbers from its ``metrics.jsonl`` (shared by scale_summary.py and
     mismatch_study.py): train reward (first and last 10 steps), eval curve, mean mismatch,
@@ -89,6 +94,9 @@ def summarise(path: Path, untimed: tuple[int, ...] = ()) -> dict:
                                    for k in retry_keys},
         "update_split_per_step": {k: [r.get(f"actor/{k}", float("nan")) for r in warm] for k in UPDATE_SPLIT
                                   if any(r.get(f"actor/{k}") is not None for r in warm)},
+        "cpu_per_step": {p: {who: [r.get(f"cpu/{p}_{who}_s", float("nan")) for r in warm]
+                             for who in ("process", "machine") if any(f"cpu/{p}_{who}_s" in r for r in warm)}
+                         for p in CPU_PHASES if any(f"cpu/{p}_process_s" in r for r in warm)},
         "loss_finite": all(r.get("actor/loss") is not None for r in train),
     }
 

@@ -167,6 +167,8 @@ class Trainer:
         seconds = self.timer.seconds
         seconds["step"] = sum(seconds.values())
         metrics.update({f"timing/{k}_s": v for k, v in seconds.items()})
+        for phase, cpu in self.timer.cpu_seconds.items():  # where a host loop sets the pace: whose CPU time
+            metrics.update({f"cpu/{phase}_{who}_s": v for who, v in cpu.items()})
         metrics["perf/tokens_per_step"] = float(batch.tokens.numel())
         metrics["perf/tokens_per_s_per_gpu"] = batch.tokens.numel() / seconds["step"] / self.world
         metrics["actor/steps"] = float(self.actor.steps)

@@ -168,8 +168,9 @@ def test_loop_runs_logs_and_checkpoints(tmp_path, process_group):
     for key in ("reward/mean", "actor/loss", "actor/clip_fraction", "timing/generate_s", "timing/score_s",
                 "timing/sync_s", "timing/colocate_s",
                 "token_mult_prob_error", "rollout_corr/k3_kl", "perf/tokens_per_s_per_gpu",
-                "dynamic_sampling/rounds"):
+                "dynamic_sampling/rounds", "cpu/generate_process_s", "cpu/update_process_s"):
         assert key in rows[3], key
+    assert rows[3]["cpu/update_process_s"] > 0  # the update computes on this process's CPU
     # the double returns the engine's logprobs as the trainer's: no mismatch
     assert rows[3]["token_mult_prob_error"] == pytest.approx(1.0)
     assert (tmp_path / "a" / "checkpoints" / "latest").read_text().strip() == "step_00000004"

@@ -828,3 +828,21 @@ def test_a_step_ratio_notes_a_large_phase_that_varied_over_the_timed_steps():
     note = step_spread_note({"bf16": varied, "fp8-exact": steady})
     assert note.startswith("within the run, bf16 generate 5.85-8.52 s over the timed steps")
     assert "fp8-exact" not in note and "score" not in note
+
+
+def test_the_step_table_gives_each_phases_cpu_seconds_of_this_process_and_of_the_others(tmp_path):
+    import json
+
+    from benchmarks.bench_vllm import cpu_lines
+    from benchmarks.rl_summary import summarise
+
+    rows = [{"step": s, "timing/step_s": 10.0, "timing/generate_s": 5.0 + s, "cpu/generate_process_s": 4.0 + s,
+             "cpu/generate_machine_s": 6.0 + s, "cpu/update_process_s": 2.0} for s in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cpu = summarise(path)["cpu_per_step"]
+    assert cpu == {"generate": {"process": [6.0, 7.0], "machine": [8.0, 9.0]}, "update": {"process": [2.0, 2.0]}}
+    lines = cpu_lines("fp8-exact", {"generate": [7.0, 8.0], "update": [3.0, 3.0]}, cpu)
+    assert lines[0].endswith("generate CPU s a timed step: wall 7.00 / this process 6.00 / others 2.00, "
+                             "wall 8.00 / this process 7.00 / others 2.00")
+    assert lines[1].endswith("update CPU s a timed step: wall 3.00 / this process 2.00, wall 3.00 / this process 2.00")

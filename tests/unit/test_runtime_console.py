@@ -123,3 +123,42 @@ def test_phase_timer_counts_a_failing_phase():
     except RuntimeError:
         pass
     assert "score" in timer.seconds
+
+
+def test_phase_timer_counts_the_cpu_seconds_of_this_process_and_of_the_machine():
+    machine = iter([100.0, 103.5, 110.0, 111.0])
+    timer = PhaseTimer(machine_cpu=lambda: next(machine))
+    with timer.phase("generate"):
+        end = time.process_time() + 0.05
+        while time.process_time() < end:  # this process busy on the CPU
+            pass
+    with timer.phase("generate"):
+        pass
+    cpu = timer.cpu_seconds
+    assert cpu["generate"]["process"] >= 0.05
+    assert cpu["generate"]["machine"] == 4.5  # 3.5 + 1.0: both entries add up
+    cpu["generate"]["machine"] = 0.0
+    assert timer.cpu_seconds["generate"]["machine"] == 4.5  # a copy
+    timer.reset()
+    assert timer.cpu_seconds == {}
+
+
+def test_without_the_machines_counters_a_phase_counts_this_process_only():
+    timer = PhaseTimer(machine_cpu=lambda: None)
+    with timer.phase("update"):
+        pass
+    assert set(timer.cpu_seconds["update"]) == {"process"}
+
+
+def test_the_machines_busy_seconds_come_from_proc_stat(tmp_path):
+    import os
+
+    from megatron_jetrl.runtime.timing import machine_cpu_seconds
+
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 20 30 5000 70 4 6 10 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert machine_cpu_seconds(stat) == (100 + 20 + 30 + 4 + 6 + 10) / os.sysconf("SC_CLK_TCK")
+    stat.write_text("intr 1 2 3\n")
+    assert machine_cpu_seconds(stat) is None
+    assert machine_cpu_seconds(tmp_path / "absent") is None
