@@ -303,11 +303,24 @@ def warm_start(args, mode: str, name: str) -> None:
     print(f"decode {name}: warm engine start {statistics.median(starts):.0f} s (median of {len(starts)})", flush=True)
 
 
+def warm_generate_s(engine, prompts, params) -> float:
+    """Seconds of one ``generate`` of ``prompts`` after a warm-up call of the same work."""
+    import torch
+
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def host_profile(engine, vocab: int, prompt_len: int, batch: int = 256, steps: int = 256, top: int = 30) -> dict:
-    """Host time of ``steps`` decode steps at ``batch`` by Python function (cProfile, after a warm-up):
-    ms a decode step of each of the ``top`` functions with the most time of their own (``self_ms``) and
-    with their callees (``total_ms``), beside the step's wall time without the profiler. Where the
-    engine's loop, not the GPU, sets the pace, this says which host work does."""
+    """Host time of ``steps`` decode steps at ``batch`` (and their prefill) by Python function
+    (cProfile, after a warm-up): ms a decode step of each of the ``top`` functions with the most time
+    of their own (``self_ms``) and with their callees (``total_ms``), beside the step's wall time
+    without the profiler. Where the engine's loop, not the GPU, sets the pace, this says which host
+    work does."""
     import cProfile
     import pstats
 
@@ -318,12 +331,7 @@ def host_profile(engine, vocab: int, prompt_len: int, batch: int = 256, steps: i
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g).tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=steps, seed=4)
-    engine.generate(prompts, params)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    engine.generate(prompts, params)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    wall = warm_generate_s(engine, prompts, params)
     profiler = cProfile.Profile()
     profiler.enable()
     engine.generate(prompts, params)
@@ -353,12 +361,7 @@ def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps:
 
     def profiled(new_tokens: int) -> tuple[dict[str, float], int, float]:
         params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=2)
-        engine.generate(prompts, params)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.generate(prompts, params)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = warm_generate_s(engine, prompts, params)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.generate(prompts, params)
         return kernel_ms(prof), kernel_launches(prof), wall
