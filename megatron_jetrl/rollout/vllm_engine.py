@@ -39,6 +39,7 @@ Supported vLLM versions and the differences between them live in ``VLLM_VERSIONS
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -80,6 +81,13 @@ source). Everything the engine uses from vLLM — ``LLM(...)`` arguments, ``gene
 prompts, ``collective_rpc`` with a callable, ``sleep(level)`` / ``wake_up(tags)``,
 ``reset_prefix_cache``, ``model_loader.reload`` and the layer classes read by ``vllm_model`` — has
 one form in both, so no code here branches on the version."""
+
+
+def _first_rank() -> bool:
+    """Whether this process is rank 0 of the job (or the only process): the one that prints."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -300,7 +308,17 @@ class VllmEngine:
                 vllm_activation_quant.install(recipe.fp8.pow2_scales, recipe.fp8.amax_epsilon, exact=recipe.exact)
             if recipe.exact:
                 vllm_exact.install()
-            self._llm = vllm.LLM(**llm_kwargs(path, config, recipe, options))
+                vllm_exact.initialize_nccl()
+            with vllm_exact.job_nccl_environment() if recipe.exact else contextlib.nullcontext({}) as undone:
+                self._llm = vllm.LLM(**llm_kwargs(path, config, recipe, options))
+            self.nccl_pins_undone = undone
+            """The NCCL variables vLLM's batch-invariant mode had set for the process, given back their
+            job values (exact mode; ``vllm_exact.job_nccl_environment``)."""
+            if undone and _first_rank():
+                print("vllm engine: vLLM's batch-invariant mode had set "
+                      + ", ".join(f"{k}={'(unset)' if v is None else v}" for k, v in undone.items())
+                      + " for the whole process; the job's values are back, so the trainer's collectives keep "
+                      "them (precision.exact's reductions do not depend on NCCL's)", flush=True)
             if recipe.rollout_fp8:
                 _check_no_requantization(vllm)
             self.exact_modules = self._on_worker(vllm_exact.check_engine) if recipe.exact else None

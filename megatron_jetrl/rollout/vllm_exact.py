@@ -31,6 +31,13 @@ How:
   ``actor.exact.ordered_tp_reduce`` does), in place of vLLM's custom / NCCL all-reduce, whose order
   differs; ``llm_kwargs`` turns off the compile passes that would rewrite the all-reduce (sequence
   parallelism, async TP, the fused all-reduce + norm).
+- vLLM's batch-invariant mode also sets NCCL variables for the whole process (one channel, one
+  thread, the Simple protocol, tree all-reduce, no NVLink SHARP; ``VLLM_NCCL_PINS``). The contract
+  needs none of them (its reductions above TP 2 are the gather + ``ordered_sum``, at TP 2 one
+  addition), but in a colocated job they would govern the trainer's collectives too: NCCL keeps
+  most of them from its first communicator on, and reads the others at each new one. So an exact
+  engine starts NCCL with the job's settings before vLLM starts (``initialize_nccl``) and puts the
+  job's values back once vLLM has started (``job_nccl_environment``).
 - ``check_engine``: after vLLM built the model, every norm, activation and rotary module must be
   one of the replacements, every block-FP8 linear must run the GEMM the trainer's FProp calls for
   its shape, and every attention layer must run FlashAttention of the trainer's version (with an
@@ -40,9 +47,11 @@ How:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -149,6 +158,48 @@ def _forget_rotary_embeddings() -> None:
         raise RuntimeError("precision.exact: this vLLM keeps no _ROPE_DICT; the exact rotary embedding cannot make "
                            "sure vLLM builds it afresh (update rollout/vllm_exact.py for this version)")
     cache.clear()
+
+
+VLLM_NCCL_PINS = ("NCCL_LAUNCH_MODE", "NCCL_COLLNET_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_P2P_NET_DISABLE",
+                  "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_PROTO", "NCCL_ALGO", "NCCL_NTHREADS",
+                  "NCCL_SOCKET_NTHREADS", "NCCL_NO_CACHE")
+"""The NCCL variables vLLM's batch-invariant mode sets in the process (``override_envs_for_invariance``
+in 0.26 and 0.32; 0.32 adds ``NCCL_NO_CACHE`` to have them re-read): none of them is part of the
+contract, and ``job_nccl_environment`` gives each back its value from before the engine's start."""
+
+
+def initialize_nccl() -> None:
+    """Start NCCL in this process with the job's settings, before vLLM's batch-invariant mode sets
+    its own (``VLLM_NCCL_PINS``): NCCL keeps most of its variables from the first communicator it
+    creates, so the job's collectives (the trainer's, colocated) keep the job's channels and threads.
+    A barrier over the job's NCCL world creates that communicator; nothing to do without one (one
+    process, or another backend)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+
+
+@contextlib.contextmanager
+def job_nccl_environment() -> Iterator[dict[str, Optional[str]]]:
+    """Around the engine's start: afterwards every ``VLLM_NCCL_PINS`` variable has its value from
+    before again (unset where it was unset), so the communicators created later (the trainer's
+    groups, on first use) are made with the job's settings. Yields the values it undid, filled in on
+    exit (name -> what vLLM had set, None for a variable vLLM removed)."""
+    before = {name: os.environ.get(name) for name in VLLM_NCCL_PINS}
+    undone: dict[str, Optional[str]] = {}
+    try:
+        yield undone
+    finally:
+        for name, value in before.items():
+            now = os.environ.get(name)
+            if now == value:
+                continue
+            undone[name] = now
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _patch(owner: type, attr: str, make: Callable[[Callable], Callable]) -> None:

@@ -275,3 +275,30 @@ def test_an_exact_engine_above_tp_2_turns_off_the_passes_that_rewrite_the_all_re
     assert set(passes) <= set(vllm_exact.REWRITING_PASSES) and "fuse_allreduce_rms" in passes
     two = vllm_exact.llm_kwargs({"tensor_parallel_size": 2})
     assert "pass_config" not in two.get("compilation_config", {})
+
+
+def test_vllms_batch_invariant_nccl_settings_do_not_outlive_the_engine_start(monkeypatch):
+    """vLLM's own override (what its worker runs in batch-invariant mode) inside the exact engine's
+    guard: every NCCL variable it sets is one of ``VLLM_NCCL_PINS`` (a pin added by a later vLLM fails
+    here), and afterwards each has the job's value again."""
+    import os
+
+    from vllm.model_executor.determinism import batch_invariant
+    from vllm.utils import nccl as nccl_utils
+
+    saved = dict(os.environ)
+    monkeypatch.setattr(nccl_utils, "_unpinned_env", None)  # vLLM's record of the values before its pins
+    try:
+        os.environ["NCCL_PROTO"] = "LL128"  # a job's own setting
+        os.environ.pop("NCCL_MAX_NCHANNELS", None)
+        job = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+        with vllm_exact.job_nccl_environment() as undone:
+            batch_invariant.override_envs_for_invariance()
+            pinned = {k for k in set(os.environ) | set(job)
+                      if k.startswith("NCCL_") and os.environ.get(k) != job.get(k)}
+        assert pinned and pinned <= set(vllm_exact.VLLM_NCCL_PINS), pinned - set(vllm_exact.VLLM_NCCL_PINS)
+        assert {k: v for k, v in os.environ.items() if k.startswith("NCCL_")} == job
+        assert undone["NCCL_MAX_NCHANNELS"] == "1" and undone["NCCL_PROTO"] == "Simple", undone
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -29,6 +29,7 @@ tests/gpu/test_exact.py (one engine per process, so one scenario per launch):
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -136,8 +137,11 @@ class Scenarios(VllmScenarios):
                               cuda_graph_max_batch=256, tensor_parallel_size=tp,
                               kv_cache_dtype="fp8" if kv_fp8 else "auto")
         start = time.perf_counter()
+        job_nccl = {name: os.environ.get(name) for name in vllm_exact.VLLM_NCCL_PINS}
         engine = VllmEngine(actor.bridge.hf_config, recipe, options)
-        r = {"engine_start_s": time.perf_counter() - start, "exact_modules": engine.exact_modules}
+        r = {"engine_start_s": time.perf_counter() - start, "exact_modules": engine.exact_modules,
+             "nccl_pins_undone": engine.nccl_pins_undone,
+             "nccl_env_kept": all(os.environ.get(name) == value for name, value in job_nccl.items())}
         if after_start is not None:  # a negative control's change, after the engine's start-up check
             after_start()
         plan = SyncPlan(actor.bridge, recipe, actor.settings.parallel, tp, self.world)
