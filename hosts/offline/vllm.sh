@@ -31,7 +31,8 @@
 # --actor "ARGS": the actor-step benchmark (ARGS are bench_actor_step.py's), torchrun on one
 # GPU; repeatable. --linear: the FP8 linear benchmark, its headline key into /tmp/bench_vllm/headline_linear.json.
 # --kernels: the exact engine's fused norm / SiLU·mul kernels against vLLM's (benchmarks/bench_exact_kernels.py).
-# --tp-reduce: the exact rollout's ordered TP reduction against NCCL's, torchrun over every visible GPU,
+# --tp-reduce: the exact rollout's ordered TP reduction against NCCL's and vLLM's custom all-reduce in
+# one-stage chunks (timed and bit-checked), torchrun over every visible GPU,
 # its headline key into /tmp/bench_vllm/headline_tp_reduce.json.
 # --with-te: Transformer Engine for this run only (waits up to 20 min for the five .te_pK folders the
 # carrying calls copy to /tmp/teb, runs te_install.sh once, puts /tmp/tesite first on PYTHONPATH with
@@ -149,9 +150,9 @@ if [ $tp_reduce -eq 1 ]; then
   t0=$(date +%s)
   mkdir -p /tmp/bench_vllm
   torchrun --standalone --nproc-per-node="$(python3 -c "import torch; print(torch.cuda.device_count())")" -m benchmarks.bench_tp_reduce \
-    --json "$out/tp_reduce.json" --headline /tmp/bench_vllm/headline_tp_reduce.json >"$out/tp_reduce.log" 2>&1
+    --vllm-custom --json "$out/tp_reduce.json" --headline /tmp/bench_vllm/headline_tp_reduce.json >"$out/tp_reduce.log" 2>&1
   r=$?; [ $r -eq 0 ] || rc=$r
-  echo "tp reduce: rc=$r in $(( $(date +%s) - t0 )) s"; grep -v -i -E "warn|^W[0-9]" "$out/tp_reduce.log" | tail -14
+  echo "tp reduce: rc=$r in $(( $(date +%s) - t0 )) s"; grep -v -i -E "warn|^W[0-9]" "$out/tp_reduce.log" | tail -24
 fi
 for i in "${!actor[@]}"; do
   t0=$(date +%s)
