@@ -849,27 +849,26 @@ def test_the_step_table_gives_each_phases_cpu_seconds_of_this_process_and_of_the
 
 
 def test_the_host_profile_gives_ms_a_decode_step_by_function(monkeypatch):
-    import time
 
     import torch
 
     from benchmarks.bench_vllm import host_profile
 
-    def spin(seconds):
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+    def spin(n):
+        total = 0
+        for i in range(n):  # pure Python: all of it the function's own time
+            total += i
+        return total
 
     class Engine:
         def generate(self, prompts, params):
             assert len(prompts) == 4 and params.max_new_tokens == 10
             for _ in range(params.max_new_tokens):
-                spin(0.002)  # the host work of one decode step
+                spin(20_000)  # the host work of one decode step
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     hp = host_profile(Engine(), vocab=100, prompt_len=8, batch=4, steps=10, top=5)
-    assert hp["batch"] == 4 and hp["steps"] == 10 and hp["wall_ms_per_step"] >= 2.0
+    assert hp["batch"] == 4 and hp["steps"] == 10 and hp["wall_ms_per_step"] > 0
     top = hp["functions"][0]
     assert top["function"].endswith(":spin") and top["calls_per_step"] == 1.0
-    assert 0 < top["self_ms"] <= top["total_ms"] and top["total_ms"] >= 1.8  # its clock reads are its callees
-    assert len(hp["functions"]) <= 5
+    assert 0 < top["self_ms"] <= top["total_ms"] and len(hp["functions"]) <= 5
