@@ -849,7 +849,6 @@ def test_the_step_table_gives_each_phases_cpu_seconds_of_this_process_and_of_the
 
 
 def test_the_host_profile_gives_ms_a_decode_step_by_function(monkeypatch):
-
     import torch
 
     from benchmarks.bench_vllm import host_profile
