@@ -39,7 +39,6 @@ Supported vLLM versions and the differences between them live in ``VLLM_VERSIONS
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -309,11 +308,11 @@ class VllmEngine:
             if recipe.exact:
                 vllm_exact.install()
                 vllm_exact.initialize_nccl()
-            with vllm_exact.job_nccl_environment() if recipe.exact else contextlib.nullcontext({}) as undone:
+            with vllm_exact.job_nccl_environment() as undone:
                 self._llm = vllm.LLM(**llm_kwargs(path, config, recipe, options))
             self.nccl_pins_undone = undone
             """The NCCL variables vLLM's batch-invariant mode had set for the process, given back their
-            job values (exact mode; ``vllm_exact.job_nccl_environment``)."""
+            job values (``vllm_exact.job_nccl_environment``; empty where that mode is off)."""
             if undone and _first_rank():
                 print("vllm engine: vLLM's batch-invariant mode had set "
                       + ", ".join(f"{k}={'(unset)' if v is None else v}" for k, v in undone.items())
