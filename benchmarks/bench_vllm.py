@@ -47,6 +47,7 @@ the headline file (medians of the repeats, paired spreads, each result's device 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -783,7 +784,8 @@ def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Fig
     """The decode results' headline figures (key -> (figure, the result it came from)): FP8 and FP8 KV
     over BF16 at ``target`` with the engine's default GEMM, exact over default FP8 (and with an FP8 KV
     cache) at ``EXACT_CASES``, both on DeepGEMM and from one invocation of the benchmark (the same
-    device, back to back), and the engine's starts: from the warm caches where measured, and its first."""
+    device, back to back), and the starts of the default FP8 engine and of the exact one (the rollout's
+    default with precision.exact auto), warm and cold where measured."""
     out = {}
     if "bf16" in decode and target in decode["bf16"]["cases"]:
         for m in ("fp8-deep_gemm", "fp8kv-deep_gemm"):  # the engine's default GEMM; CUTLASS: the table only
@@ -801,14 +803,24 @@ def decode_headline(decode: dict[str, dict], target: str) -> dict[str, tuple[Fig
                     f"the default {default} engine: DeepGEMM, the trainer's activation quantization, vLLM's "
                     "kernels elsewhere (the same invocation and GPU)"), e)
     default = next((decode[m] for m in ("fp8-deep_gemm", "fp8") if m in decode), None)  # the engine's GEMM first
-    if default is not None:  # warm starts (decode --warm-start) and cold ones (--cold-start), each measured as such
-        warm = default.get("engine_start_warm_s_all") or (
-            [default["engine_start_warm_s"]] if "engine_start_warm_s" in default else [])
-        if warm:
-            out["vllm_engine_start_s"] = (Figure.of(warm), default)
-        # only starts with empty caches: a run's first start may find the JIT cache an earlier run filled
-        if default.get("engine_start_cold_s_all"):
-            out["vllm_engine_start_cold_s"] = (Figure.of(default["engine_start_cold_s_all"]), default)
+    if default is not None:
+        out.update(_start_figures(default, "vllm_engine_start"))
+    exact = next((decode[m] for m in ("fp8-exact-deep_gemm", "fp8-exact") if m in decode), None)
+    if exact is not None:
+        out.update(_start_figures(exact, "vllm_exact_engine_start"))
+    return out
+
+
+def _start_figures(result: dict, key: str) -> dict[str, tuple[Figure, dict]]:
+    """A mode's engine starts as headline figures: ``KEY_s`` from the warm caches (decode --warm-start),
+    ``KEY_cold_s`` from empty ones (--cold-start; never a run's first start, which may find the caches
+    an earlier run on the machine filled). Each start is a process of its own: ``runs`` counts them."""
+    out = {}
+    warm = result.get("engine_start_warm_s_all") or (
+        [result["engine_start_warm_s"]] if "engine_start_warm_s" in result else [])
+    for suffix, starts in (("_s", warm), ("_cold_s", result.get("engine_start_cold_s_all") or [])):
+        if starts:
+            out[key + suffix] = (dataclasses.replace(Figure.of(starts), runs=len(starts)), result)
     return out
 
 

@@ -70,6 +70,11 @@ KEYS = {  # key -> (what it is, target or "")
                             "(decode --warm-start)", "≤ 60 s"),
     "vllm_engine_start_cold_s": ("that engine's start with empty compile/JIT caches (vLLM's compile, DeepGEMM's "
                                  "JIT), seconds: decode --cold-start's starts", ""),
+    "vllm_exact_engine_start_s": ("vLLM engine start in exact FP8 (the rollout's default, precision.exact auto), "
+                                  "Qwen3-8B × 36, CUDA graphs, seconds, from a warm compile/JIT cache (decode "
+                                  "--warm-start)", "≤ 60 s"),
+    "vllm_exact_engine_start_cold_s": ("that engine's start with empty compile/JIT caches, seconds: decode "
+                                       "--cold-start's starts", ""),
     "vllm_k3_fp8_8b6": ("engine-vs-trainer k3 KL, unified FP8, default engine, 8B widths × 6", ""),
     "vllm_k3_mixed_8b6": ("the same, BF16-train + FP8-rollout (the off-policy recipe)", ""),
     "vllm_k3_bf16_8b6": ("the same, BF16", ""),

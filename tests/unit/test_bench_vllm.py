@@ -283,6 +283,22 @@ def test_cold_starts_run_with_empty_caches_and_are_the_cold_headline(tmp_path, m
         {"fp8-deep_gemm": {**result, "engine_start_cold_s_all": None}}, "256x4096")
 
 
+
+def test_the_exact_engines_starts_are_headline_figures_of_their_own(tmp_path):
+    """The exact engine (the rollout's default) has start keys of its own beside the default FP8
+    engine's: warm and cold medians of its start-only children, each start a run (process) of its own;
+    a mode without extra starts gives none, and the default's keys stay the default's."""
+    exact = {"mode": "fp8-exact", "engine_start_s": 70.0, "engine_start_warm_s_all": [40.0, 38.0, 39.0],
+             "engine_start_cold_s_all": [65.0, 61.0, 63.0]}
+    figures = bench_vllm.decode_headline({"fp8-exact-deep_gemm": exact,
+                                          "fp8-deep_gemm": {"mode": "fp8", "engine_start_s": 300.0}}, "256x4096")
+    assert set(figures) == {"vllm_exact_engine_start_s", "vllm_exact_engine_start_cold_s"}
+    warm, source = figures["vllm_exact_engine_start_s"]
+    cold, _ = figures["vllm_exact_engine_start_cold_s"]
+    assert source is exact
+    assert (warm.value, warm.repeats, warm.runs, warm.spread) == (39.0, 3, 3, (38.0, 40.0))
+    assert (cold.value, cold.repeats, cold.runs, cold.spread) == (63.0, 3, 3, (61.0, 65.0))
+
 def test_step_ratios_are_no_headline_unless_every_mode_did_the_same_work(tmp_path):
     phases = {"generate": 2.0, "logprobs": 1.0, "update": 1.0, "sync": 0.1, "step": 4.0}
     runs = {mode: {"seconds": phases, "tokens_per_s_per_gpu": 1.0, "tokens_per_timed_step": tokens}
