@@ -40,10 +40,12 @@ def _run(tmp_path: Path, perturb_from: int, *overrides: str,
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus[:nproc]))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
+    given = {o.split("=", 1)[0] for o in overrides}  # the CLI refuses a key given twice: a test's own wins
+    defaults = [o for o in EXACT if o.split("=", 1)[0] not in given]
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={nproc}"]
     proc = subprocess.run([*launcher, str(RUN), "--perturb-from", str(perturb_from), "--", str(CONFIG),
-                           f"run.dir={run_dir}", *EXACT, *overrides], env=env, capture_output=True, text=True,
+                           f"run.dir={run_dir}", *defaults, *overrides], env=env, capture_output=True, text=True,
                           timeout=900)
     (tmp_path / "run.log").write_text(proc.stdout + proc.stderr)
     metrics = run_dir / "metrics.jsonl"
