@@ -65,9 +65,9 @@ KEYS = {  # key -> (what it is, target or "")
                                    "--step-layers; 16 for the target)", "≥ 1.3×"),
     "rl_step_vllm_fp8kv_over_bf16": ("the same with an FP8 KV cache", "≥ 1.4×"),
     "rl_generate_fp8_over_bf16": ("the generate phase of that step, FP8 over BF16", "≥ 1.3×"),
-    "vllm_engine_start_s": ("vLLM engine start, FP8 with the engine's default GEMM (DeepGEMM; CUTLASS in a run "
-                            "without it), Qwen3-8B × 36, CUDA graphs, seconds, from a warm compile/JIT cache "
-                            "(decode --warm-start)", "≤ 60 s"),
+    "vllm_engine_start_s": ("vLLM engine start, FP8 without exactness (precision.exact false) on the default GEMM "
+                            "(DeepGEMM; CUTLASS in a run without it), Qwen3-8B × 36, CUDA graphs, seconds, from a "
+                            "warm compile/JIT cache (decode --warm-start)", "≤ 60 s"),
     "vllm_engine_start_cold_s": ("that engine's start with empty compile/JIT caches (vLLM's compile, DeepGEMM's "
                                  "JIT), seconds: decode --cold-start's starts", ""),
     "vllm_exact_engine_start_s": ("vLLM engine start in exact FP8 (the rollout's default, precision.exact auto), "
