@@ -22,8 +22,9 @@ capacity counts). ``--profile`` adds a kernel-time split of 32 decode steps at b
 (``--warm-start-repeats`` times, default 3), each in a child that only builds and closes it: those
 starts (``engine_start_warm_s``, their median) find vLLM's torch.compile artifacts and DeepGEMM's JIT
 kernels in their on-disk caches (VLLM_CACHE_ROOT), as an RL job's restart does; ``engine_start_s`` is
-the first start, cold on a fresh machine. ``--cold-start`` starts it ``--cold-start-repeats`` times
-more with empty caches (``COLD_CACHES``), as a first start on a new machine
+the first start, cold on a fresh machine (unless DeepGEMM's kernels were carried in: ``dg_jit_seeded``).
+``--cold-start`` starts it ``--cold-start-repeats`` times more with empty caches (``COLD_CACHES``), as a
+first start on a new machine
 (``vllm_engine_start_cold_s``: their median; without it, no cold figure: a run's first start may find
 caches an earlier run on the machine filled).
 
@@ -212,6 +213,8 @@ def decode_child(args) -> dict:
     out = {"mode": args.mode, "fp8_gemm": _gemm(args, args.mode), "engine_start_s": start_s,
            "kv_cache_tokens": engine.kv_cache_tokens, "used_gib": (total - free) / 2**30, "cases": {},
            "device": _device(), "layers": args.layers}
+    if os.environ.get("JETRL_DG_JIT_SEEDED") == "1":  # hosts/offline/jit_cache.sh: the first start found its kernels
+        out["dg_jit_seeded"] = True
     for case in args.cases.split(","):
         b, t = (int(x) for x in case.split("x"))
         prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=g).tolist()
@@ -657,6 +660,10 @@ def table(args) -> str:
                 for d in decode.values()))
         lines.append(f"{'KV tokens':>12} " + " ".join(f"{d['kv_cache_tokens'] or 0:>12}" for d in decode.values()))
         lines.append(f"{'GPU GiB':>12} " + " ".join(f"{d['used_gib']:>12.1f}" for d in decode.values()))
+        seeded = [m for m, d in decode.items() if d.get("dg_jit_seeded")]
+        if seeded:
+            lines.append(f"(start s of {', '.join(seeded)}: DeepGEMM's kernels carried from an earlier machine "
+                         "(hosts/offline/jit_cache.sh), so not a cold start; --cold-start's starts are)")
         cut = [m for m, d in decode.items() if d.get("complete") is False]
         if cut:
             lines.append(f"(cut off before all cases finished: {', '.join(cut)}; missing cases show nan)")

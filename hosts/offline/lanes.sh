@@ -4,6 +4,7 @@
 #
 #   bash hosts/offline/lanes.sh start      # install vLLM (bundle in /tmp/vb), build, start the lanes
 #   bash hosts/offline/lanes.sh wait 560   # wait up to 560 s, print progress, pack results to $OUT
+#   bash hosts/offline/lanes.sh wait 500 --pack-jit   # ... and DeepGEMM's JIT cache (jit_cache.sh), for the next machine
 #   bash hosts/offline/lanes.sh run 2 "--tests exact-tiny"   # one more run on GPU 2, in the background
 #   bash hosts/offline/lanes.sh run 0,1 "--tests exact-two"  # ... or on GPUs 0 and 1 (wait waits for it)
 #   bash hosts/offline/lanes.sh after 0 1 "--step"           # on GPU 1 once extra run 0 has ended
@@ -113,7 +114,8 @@ case "${1:-}" in
     running && echo "still running" || echo "ALL DONE"
     [ -n "${OUT:-}" ] && tar czf "$OUT/vllm_gpu.tgz" -C /tmp vllm_gpu_out bench_vllm exact_ablation \
       -C "$(dirname $lanes)" "$(basename $lanes)" 2>/dev/null
+    [ "${3:-}" = --pack-jit ] && [ -n "${OUT:-}" ] && bash hosts/offline/jit_cache.sh pack "$OUT"
     true
     ;;
-  *) echo "usage: lanes.sh start | wait SECONDS | run GPUS ARGS | after N GPUS ARGS"; exit 2 ;;
+  *) echo "usage: lanes.sh start | wait SECONDS [--pack-jit] | run GPUS ARGS | after N GPUS ARGS"; exit 2 ;;
 esac

@@ -34,6 +34,7 @@
 # --tp-reduce: the exact rollout's ordered TP reduction against NCCL's and vLLM's custom all-reduce in
 # one-stage chunks (timed and bit-checked), torchrun over every visible GPU,
 # its headline key into /tmp/bench_vllm/headline_tp_reduce.json.
+# DeepGEMM's JIT cache: carried parts in /tmp/dg_jit are unpacked before the first run (hosts/offline/jit_cache.sh).
 # --with-te: Transformer Engine for this run only (waits up to 20 min for the five .te_pK folders the
 # carrying calls copy to /tmp/teb, runs te_install.sh once, puts /tmp/tesite first on PYTHONPATH with
 # JETRL_REQUIRE_TE=1 and the recipe's NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1). Only for the TE runs:
@@ -84,6 +85,11 @@ if ! python3 -c "import vllm" 2>/dev/null; then
 fi
 export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 JETRL_REQUIRE_VLLM=1
 python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$out/device.txt" || exit 1
+# DeepGEMM kernels an earlier machine compiled, carried into /tmp/dg_jit (jit_cache.sh): unpacked once
+if [ -f /tmp/dg_jit/dg_jit.manifest ]; then
+  [ -f /tmp/dg_jit/.unpacked ] || bash hosts/offline/jit_cache.sh unpack /tmp/dg_jit | tee -a "$out/device.txt"
+  [ -f /tmp/dg_jit/.unpacked ] && export JETRL_DG_JIT_SEEDED=1  # a decode result records it
+fi
 if [ $with_te -eq 1 ] && python3 -c "import transformer_engine" 2>/dev/null; then
   export JETRL_REQUIRE_TE=1 NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1  # the Transformer Engine this Python imports
 elif [ $with_te -eq 1 ]; then  # none: build it from the parts te_bundle.sh made, carried into /tmp/teb

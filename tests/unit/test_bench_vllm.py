@@ -225,6 +225,19 @@ def test_a_warm_start_is_a_row_and_the_headline_engine_start(tmp_path):
     assert start["value"] == 41.0 and start["command"].endswith("--warm-start")
 
 
+
+def test_a_first_start_from_carried_kernels_is_not_called_cold(tmp_path):
+    """A decode result whose machine had DeepGEMM's kernels carried in (hosts/offline/jit_cache.sh,
+    dg_jit_seeded) has its first start marked in the table as not cold; a result without the mark has
+    no such line."""
+    (tmp_path / "decode_bf16.json").write_text(json.dumps(_decode("bf16", {"256x4096": 500.0})))
+    (tmp_path / "decode_fp8.json").write_text(json.dumps({**_decode("fp8", {"256x4096": 600.0}),
+                                                          "dg_jit_seeded": True}))
+    text = _table(tmp_path, tmp_path / "headline.json")
+    assert "(start s of fp8: DeepGEMM's kernels carried from an earlier machine" in text and "bf16:" not in text
+    (tmp_path / "decode_fp8.json").write_text(json.dumps(_decode("fp8", {"256x4096": 600.0})))
+    assert "carried from an earlier machine" not in _table(tmp_path, tmp_path / "headline.json")
+
 def test_warm_start_runs_a_start_only_child_after_each_mode(tmp_path, monkeypatch):
     """decode --warm-start: after a mode's measured child, --warm-start-repeats more children of that
     mode with --start-only; their starts go into the mode's result (engine_start_warm_s_all, their
