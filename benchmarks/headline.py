@@ -238,8 +238,9 @@ def table(data: Mapping[str, Mapping]) -> str:
     """The headline file as a markdown table, in ``KEYS`` order (keys it does not list last). Each
     value says how many repeats of how many runs it is (``3 × 1 run``: consecutive repeats of one run,
     whose run-to-run variation is not in the spread; entries written before runs were recorded were
-    all of one run), for a ratio its baseline as the run recorded it, and the entry's note after
-    what the key measures."""
+    all of one run), for a ratio its baseline as the run recorded it (a ratio without one says it was
+    not recorded: its suite records it since; a value has none), and the entry's note after what the
+    key measures."""
     rows = ["| key | what | value | spread | repeats × runs | baseline | target | device | date |",
             "|---|---|---:|---|---|---|---|---|---|"]
     for key in [k for k in KEYS if k in data] + sorted(k for k in data if k not in KEYS):
@@ -250,7 +251,8 @@ def table(data: Mapping[str, Mapping]) -> str:
         spread = f"{entry['spread'][0]:.4g}–{entry['spread'][1]:.4g}" if "spread" in entry else "— (not recorded)"
         runs = entry.get("runs", 1)
         count = f"{entry.get('repeats', 1)} × {runs} run{'s' if runs > 1 else ''}"
-        baseline = (entry.get("baseline") or "—").replace("|", "\\|")
+        baseline = (entry.get("baseline") or ("not recorded (an entry older than the field)" if "_over_" in key
+                                              else "—")).replace("|", "\\|")
         rows.append(f"| `{key}` | {what} | {entry['value']:.4g} | {spread} | {count} | {baseline} | {target} | "
                     f"{entry['device']} | {entry['date']} |")
     return "\n".join(rows)

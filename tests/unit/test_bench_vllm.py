@@ -364,6 +364,18 @@ def test_a_note_is_kept_by_merge_and_printed_after_what_the_key_measures(tmp_pat
     assert "Qwen3-8B shapes — **note:** on CUTLASS \\| not the default |" in row
 
 
+
+def test_a_ratio_without_a_recorded_baseline_says_so_in_the_table():
+    """A ratio entry written before baselines were recorded shows that it has none; a ratio with one shows
+    it; a value (seconds, a KL) has no baseline to show."""
+    entry = {"value": 1.2, "repeats": 3, "spread": [1.1, 1.3], "device": "GPU X", "date": "2026-11-26"}
+    data = {"linear_fp8_over_bf16": entry, "vllm_sync_8b_s": entry,
+            "actor_step_fp8_over_bf16": {**entry, "baseline": "the bf16 mode's step"}}
+    rows = {line.split("`")[1]: line for line in headline_table(data).splitlines() if line.startswith("| `")}
+    assert "| not recorded (an entry older than the field) |" in rows["linear_fp8_over_bf16"]
+    assert "| the bf16 mode's step |" in rows["actor_step_fp8_over_bf16"]
+    assert "| — |" in rows["vllm_sync_8b_s"] and "not recorded (an" not in rows["vllm_sync_8b_s"]
+
 def test_table_marks_a_mode_cut_off_before_its_cases_finished(tmp_path):
     (tmp_path / "decode_bf16.json").write_text(json.dumps(_decode("bf16", {"256x512": 1000.0, "256x4096": 500.0})))
     (tmp_path / "decode_fp8.json").write_text(json.dumps({**_decode("fp8", {"256x512": 1100.0}), "complete": False}))
