@@ -13,7 +13,8 @@
 // add of two tensors of that dtype), store it, and norm it: one launch for the add and the norm.
 // rms_norm_quant_kernel fuses the norm with the 1x128 FP8 quantization of its output (the codes and
 // scales quantize_cuda.cu makes from the plain kernel's output, shared through quantize_cuda.cuh);
-// qk_norm_rope_kernel fuses the q/k norms with the rotary embedding (rope_cuda.cuh's arithmetic).
+// qk_norm_rope_kernel fuses the q/k norms with the rotary embedding (rope_cuda.cuh's arithmetic);
+// qk_norm_rope_head_kernel does it a warp a head for heads of 128 values.
 // rms_norm_head_kernel computes rows of 128 values (a head) with that order, a warp a row.
 // Nothing depends on blockIdx beyond the row's address, so a row gets the same bits alone or among
 // thousands. At decode sizes (a hundred rows, one block each) a row is bound by memory latency, so each
@@ -250,6 +251,60 @@ __global__ void __launch_bounds__(kNormLanes) qk_norm_rope_kernel(QkNormRopeArgs
   }
 }
 
+// qk_norm_rope_kernel for heads of exactly 128 values (Qwen3's and Llama's head dim), a warp a (token,
+// head) and four a block: lane l holds columns l, l + 32, l + 64, l + 96 and sums them as
+// rms_norm_head_kernel does (the block kernel's tree, so the same inv), and the rotary pairs (j, j + 64)
+// are (l, l + 64) and (l + 32, l + 96), both the lane's own: no shared memory and no barrier. Each
+// value is the block kernel's (normed_value, rope_cos_sin, rope_first / rope_second on the same inputs).
+// At decode a block kernel spends a whole block's tree and barriers on one head.
+template <typename T>
+__global__ void __launch_bounds__(kNormLanes) qk_norm_rope_head_kernel(QkNormRopeArgs a) {
+  using C = Round<T>;
+  constexpr int kRowsPerBlock = kNormLanes / kWarp;
+  constexpr int kHalf = kNormLanes / 2;
+  const int l = threadIdx.x % kWarp;
+  const int64_t heads = a.Hq + a.Hk;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
+  if (row >= a.T * heads) return;  // a whole warp: the shuffles below involve its own lanes only
+  const int64_t token = row / heads, h = row % heads;
+  const bool is_q = h < a.Hq;
+  const int64_t hh = is_q ? h : h - a.Hq;
+  const T* xr = static_cast<const T*>(is_q ? a.q : a.k) + token * (is_q ? a.q_stride : a.k_stride) + hh * kNormLanes;
+  const T* w = static_cast<const T*>(is_q ? a.wq : a.wk);
+  T* yr = static_cast<T*>(is_q ? a.yq : a.yk) + (token * (is_q ? a.Hq : a.Hk) + hh) * kNormLanes;
+
+  T xs[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) xs[m] = xr[l + m * kWarp];
+  float acc[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const float v = C::to_float(xs[m]);
+    acc[m] = __fadd_rn(0.0f, __fmul_rn(v, v));
+  }
+  float sum = __fadd_rn(__fadd_rn(acc[0], acc[2]), __fadd_rn(acc[1], acc[3]));
+#pragma unroll
+  for (int s = 16; s >= 1; s /= 2) sum = __fadd_rn(sum, __shfl_down_sync(kFull, sum, s));
+  float inv = 0.0f;
+  if (l == 0) {
+    const float mean = __fdiv_rn(sum, static_cast<float>(kNormLanes));
+    inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, is_q ? a.eps_q : a.eps_k)));
+  }
+  inv = __shfl_sync(kFull, inv, 0);
+  float normed[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) normed[m] = C::to_float(normed_value<T>(C::to_float(xs[m]), inv, w[l + m * kWarp]));
+  const int64_t position = a.positions[token];
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {  // j = l + 32p; its partner j + 64 is the lane's value p + 2
+    const int j = l + p * kWarp;
+    float cs, sn;
+    rope_cos_sin<T>(position, a.inv_freq[j], &cs, &sn);
+    yr[j] = rope_first<T>(normed[p], normed[p + 2], cs, sn);
+    yr[j + kHalf] = rope_second<T>(normed[p], normed[p + 2], cs, sn);
+  }
+}
+
 template <typename T>
 void launch_typed(const RmsNormArgs& a, cudaStream_t stream) {
   const auto blocks = static_cast<unsigned>(a.R);
@@ -281,8 +336,14 @@ void qk_norm_rope_cuda(const QkNormRopeArgs& args, at::ScalarType dtype, const a
   TORCH_CHECK(args.D <= kMaxHeadDim, "qk_norm_rope: head dim ", std::to_string(args.D), " over the kernel's ",
               std::to_string(kMaxHeadDim));
   by_dtype_on_stream(q, dtype, "qk_norm_rope", [&](auto t, cudaStream_t stream) {
-    const auto blocks = static_cast<unsigned>(args.T * (args.Hq + args.Hk));
-    qk_norm_rope_kernel<decltype(t)><<<blocks, kNormLanes, 0, stream>>>(args);
+    const int64_t heads = args.T * (args.Hq + args.Hk);
+    if (args.D == kNormLanes) {  // a warp a head
+      constexpr int64_t kRowsPerBlock = kNormLanes / kWarp;
+      const auto blocks = static_cast<unsigned>((heads + kRowsPerBlock - 1) / kRowsPerBlock);
+      qk_norm_rope_head_kernel<decltype(t)><<<blocks, kNormLanes, 0, stream>>>(args);
+    } else {
+      qk_norm_rope_kernel<decltype(t)><<<static_cast<unsigned>(heads), kNormLanes, 0, stream>>>(args);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
