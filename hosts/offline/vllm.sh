@@ -23,7 +23,8 @@
 # model's or Qwen3-8B's widths; exact-two: at equal TP 2, two GPUs; exact-four: at equal TP 4 and its negative
 # control, four GPUs; exact-grad: the exact update's gradient against the default's; exact-kv: with an FP8 KV cache;
 # exact-guard: the start-up self-check and the per-step guard against a fault put into the engine, and
-# DP 2 and PP 2 on two GPUs; exact-guard-one: its one-GPU tests; exact-guard-four: TP 2 x DP 2 on four),
+# DP 2 and PP 2 on two GPUs; exact-guard-one: its one-GPU tests; exact-guard-control: of those the one
+# without a fault, every step exact; exact-guard-four: TP 2 x DP 2 on four),
 # te-attention (the native layers' Transformer Engine attention, actor.attention_impl=te; needs
 # --with-te), or a test file.
 # --ablation "ARGS": benchmarks/exact_ablation.py all ARGS (e.g. "--models tiny,8b6 --runs exact:fp8"),
@@ -125,6 +126,7 @@ for t in $tests; do
     exact-kv) f=tests/gpu/test_exact.py; k="fp8_kv_cache" ;;
     exact-guard) f=tests/gpu/test_exact_guard.py; k="not tp_2_with_two" ;;
     exact-guard-one) f=tests/gpu/test_exact_guard.py; k="not several and not tp_2_with_two and not pipeline" ;;
+    exact-guard-control) f=tests/gpu/test_exact_guard.py; k="without_a_fault" ;;
     exact-guard-four) f=tests/gpu/test_exact_guard.py; k="tp_2_with_two" ;;
     te-attention) f=tests/gpu/test_te_backend.py; k="packed_attention" ;;
     *) f=$t; k="" ;;
