@@ -16,6 +16,11 @@ Ops, each at Qwen3-8B widths and at decode and prefill row counts (``--rows``):
   - exact in two kernels: ``silu_mul`` then the trainer's quantization (the same bytes, tested);
   - vLLM's fused ``silu_and_mul_per_block_quant``;
   - vLLM's ``silu_and_mul`` then the trainer's quantization.
+- **q/k norm + rotary embedding** (each head of q and k, head dim 128, Qwen3-8B's 32 + 8 heads a token):
+  - exact: ``ops.exact.qk_norm_rope``, one kernel (a warp a head);
+  - exact in two kernels: the head norm then ``rope`` (what the trainer runs; the same bytes, tested);
+  - Inductor: torch.compile of the eager reference, as the default engine compiles its q/k norms and
+    rotary embedding into Triton kernels (an approximation: vLLM fuses them with what surrounds them).
 - **floor**: a device copy of the bytes the op must read and write.
 
 Timing: ``--calls`` back-to-back calls of one variant captured in a CUDA graph, as vLLM's decode
@@ -40,6 +45,7 @@ from benchmarks.headline import command_line
 from megatron_jetrl.runtime.atomic import save_json_atomic
 
 HIDDEN, INTERMEDIATE = 4096, 12288  # Qwen3-8B
+HEADS_Q, HEADS_KV, HEAD_DIM, ROPE_THETA = 32, 8, 128, 1e6  # Qwen3-8B
 EPS, QUANT_EPS, M_ALIGN = 1e-6, 0.0, 4  # the exact engine's arguments on DeepGEMM (fp32 scales, TMA-aligned)
 
 
@@ -132,6 +138,30 @@ def silu_variants(rows: int, ops) -> tuple[dict[str, Callable[[], object]], int]
     return variants, moved
 
 
+def qk_variants(rows: int, ops) -> tuple[dict[str, Callable[[], object]], int]:
+    """The q/k norm + rotary embedding variants at ``rows`` tokens (q and k as column slices of one qkv,
+    as vLLM splits them), and the bytes the op moves."""
+    from megatron_jetrl.ops.exact import qk_norm_rope, qk_norm_rope_reference, rope, rope_inv_freq
+    from megatron_jetrl.ops.rms_norm import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(rows + 2)
+    qkv = torch.randn(rows, (HEADS_Q + 2 * HEADS_KV) * HEAD_DIM, generator=g, device="cuda").bfloat16()
+    q, k = qkv[:, : HEADS_Q * HEAD_DIM], qkv[:, HEADS_Q * HEAD_DIM: (HEADS_Q + HEADS_KV) * HEAD_DIM]
+    wq, wk = ((1 + 0.1 * torch.randn(HEAD_DIM, generator=g, device="cuda")).bfloat16() for _ in range(2))
+    positions = torch.randint(0, 40960, (rows,), generator=g, device="cuda")
+    inv_freq = rope_inv_freq(HEAD_DIM, ROPE_THETA, torch.device("cuda"))
+    moved = rows * (HEADS_Q + HEADS_KV) * HEAD_DIM * 2 * 2  # q and k in, their rotated norms out
+    args = (positions, q, k, wq, wk, EPS, EPS, inv_freq)
+    compiled = torch.compile(qk_norm_rope_reference, dynamic=False)
+
+    def two_kernels():
+        return tuple(rope(rms_norm(x.reshape(rows, -1, HEAD_DIM), w, EPS), positions, inv_freq)
+                     for x, w in ((q, wq), (k, wk)))
+
+    return {"exact": lambda: qk_norm_rope(*args), "exact_two_kernels": two_kernels,
+            "inductor": lambda: compiled(*args)}, moved
+
+
 def floor(moved: int) -> Callable[[], object]:
     """A device copy of ``moved`` bytes (half read, half written): the op's memory floor."""
     src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
@@ -145,7 +175,8 @@ def run(rows_list: list[int], calls: int, repeats: int) -> list[dict]:
         print("bench_exact_kernels: vLLM does not import here, so only the exact kernels and the floor are timed "
               "(pip install 'megatron-jetrl[vllm]' for vLLM's columns)", file=sys.stderr, flush=True)
     results = []
-    for op, make in (("add+rmsnorm+quant", norm_variants), ("silu*mul+quant", silu_variants)):
+    for op, make in (("add+rmsnorm+quant", norm_variants), ("silu*mul+quant", silu_variants),
+                     ("q/k norm+rope", qk_variants)):
         for rows in rows_list:
             variants, moved = make(rows, ops)
             variants["floor (copy)"] = floor(moved)
