@@ -127,6 +127,30 @@ __global__ void __launch_bounds__(kNormLanes)
   for (int64_t c = t; c < H; c += kNormLanes) yr[c] = normed_value<T>(C::to_float(in[c]), inv, w[c]);
 }
 
+// A row of exactly 128 values held by one warp (lane l: columns l, l + 32, l + 64, l + 96, loaded into
+// xs): its inv = 1 / sqrt(sum / 128 + eps) in row_inv_rms's order, returned to every lane (see below).
+template <typename T>
+__device__ __forceinline__ float head_inv_rms(const T* __restrict__ xr, int l, float eps, T (&xs)[4]) {
+  using C = Round<T>;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) xs[m] = xr[l + m * kWarp];
+  float acc[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const float v = C::to_float(xs[m]);
+    acc[m] = __fadd_rn(0.0f, __fmul_rn(v, v));
+  }
+  float sum = __fadd_rn(__fadd_rn(acc[0], acc[2]), __fadd_rn(acc[1], acc[3]));
+#pragma unroll
+  for (int s = 16; s >= 1; s /= 2) sum = __fadd_rn(sum, __shfl_down_sync(kFull, sum, s));
+  float inv = 0.0f;
+  if (l == 0) {
+    const float mean = __fdiv_rn(sum, static_cast<float>(kNormLanes));
+    inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  }
+  return __shfl_sync(kFull, inv, 0);
+}
+
 // Rows of exactly 128 values (the q/k norms of a head, head dim 128), a warp a row and four rows a block:
 // lane l holds columns l, l + 32, l + 64, l + 96, i.e. the values of the block-per-row kernel's lanes l,
 // l + 32, l + 64, l + 96 (one column each), and adds them as that kernel's tree pairs those lanes: s = 64
@@ -145,23 +169,7 @@ __global__ void __launch_bounds__(kNormLanes)
   const T* xr = x + row * x_stride;
   T* yr = y + row * kNormLanes;
   T xs[4];
-#pragma unroll
-  for (int m = 0; m < 4; ++m) xs[m] = xr[l + m * kWarp];
-  float acc[4];
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const float v = C::to_float(xs[m]);
-    acc[m] = __fadd_rn(0.0f, __fmul_rn(v, v));
-  }
-  float sum = __fadd_rn(__fadd_rn(acc[0], acc[2]), __fadd_rn(acc[1], acc[3]));
-#pragma unroll
-  for (int s = 16; s >= 1; s /= 2) sum = __fadd_rn(sum, __shfl_down_sync(kFull, sum, s));
-  float inv = 0.0f;
-  if (l == 0) {
-    const float mean = __fdiv_rn(sum, static_cast<float>(kNormLanes));
-    inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-  }
-  inv = __shfl_sync(kFull, inv, 0);
+  const float inv = head_inv_rms<T>(xr, l, eps, xs);
 #pragma unroll
   for (int m = 0; m < 4; ++m) yr[l + m * kWarp] = normed_value<T>(C::to_float(xs[m]), inv, w[l + m * kWarp]);
 }
@@ -253,8 +261,8 @@ __global__ void __launch_bounds__(kNormLanes) qk_norm_rope_kernel(QkNormRopeArgs
 
 // qk_norm_rope_kernel for heads of exactly 128 values (Qwen3's and Llama's head dim), a warp a (token,
 // head) and four a block: lane l holds columns l, l + 32, l + 64, l + 96 and sums them as
-// rms_norm_head_kernel does (the block kernel's tree, so the same inv), and the rotary pairs (j, j + 64)
-// are (l, l + 64) and (l + 32, l + 96), both the lane's own: no shared memory and no barrier. Each
+// rms_norm_head_kernel does (head_inv_rms: the block kernel's tree, so the same inv), and the rotary
+// pairs (j, j + 64) are (l, l + 64) and (l + 32, l + 96), both the lane's own: no shared memory and no barrier. Each
 // value is the block kernel's (normed_value, rope_cos_sin, rope_first / rope_second on the same inputs).
 // At decode a block kernel spends a whole block's tree and barriers on one head.
 template <typename T>
@@ -274,23 +282,7 @@ __global__ void __launch_bounds__(kNormLanes) qk_norm_rope_head_kernel(QkNormRop
   T* yr = static_cast<T*>(is_q ? a.yq : a.yk) + (token * (is_q ? a.Hq : a.Hk) + hh) * kNormLanes;
 
   T xs[4];
-#pragma unroll
-  for (int m = 0; m < 4; ++m) xs[m] = xr[l + m * kWarp];
-  float acc[4];
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const float v = C::to_float(xs[m]);
-    acc[m] = __fadd_rn(0.0f, __fmul_rn(v, v));
-  }
-  float sum = __fadd_rn(__fadd_rn(acc[0], acc[2]), __fadd_rn(acc[1], acc[3]));
-#pragma unroll
-  for (int s = 16; s >= 1; s /= 2) sum = __fadd_rn(sum, __shfl_down_sync(kFull, sum, s));
-  float inv = 0.0f;
-  if (l == 0) {
-    const float mean = __fdiv_rn(sum, static_cast<float>(kNormLanes));
-    inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, is_q ? a.eps_q : a.eps_k)));
-  }
-  inv = __shfl_sync(kFull, inv, 0);
+  const float inv = head_inv_rms<T>(xr, l, is_q ? a.eps_q : a.eps_k, xs);
   float normed[4];
 #pragma unroll
   for (int m = 0; m < 4; ++m) normed[m] = C::to_float(normed_value<T>(C::to_float(xs[m]), inv, w[l + m * kWarp]));
