@@ -86,9 +86,9 @@ if ! python3 -c "import vllm" 2>/dev/null; then
 fi
 export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 JETRL_REQUIRE_VLLM=1
 python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$out/device.txt" || exit 1
-# DeepGEMM kernels an earlier machine compiled, carried into /tmp/dg_jit (jit_cache.sh): unpacked once
+# DeepGEMM kernels an earlier machine compiled, carried into /tmp/dg_jit (jit_cache.sh unpacks them once)
 if [ -f /tmp/dg_jit/dg_jit.manifest ]; then
-  [ -f /tmp/dg_jit/.unpacked ] || bash hosts/offline/jit_cache.sh unpack /tmp/dg_jit | tee -a "$out/device.txt"
+  bash hosts/offline/jit_cache.sh unpack /tmp/dg_jit | tee -a "$out/device.txt"
   [ -f /tmp/dg_jit/.unpacked ] && export JETRL_DG_JIT_SEEDED=1  # a decode result records it
 fi
 if [ $with_te -eq 1 ] && python3 -c "import transformer_engine" 2>/dev/null; then
