@@ -259,52 +259,47 @@ COLD_CACHES = ("VLLM_CACHE_ROOT", "DG_JIT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
 JIT kernels, Inductor's and Triton's kernels. A cold start gets a fresh empty directory for each."""
 
 
-def cold_start(args, mode: str, name: str) -> None:
-    """Start ``mode``'s engine ``--cold-start-repeats`` more times (one process each), every time with
-    empty caches (``COLD_CACHES`` pointed at a fresh directory, removed after), as a job's first start
-    on a new machine; the seconds go into the mode's result: ``engine_start_cold_s_all``."""
+def _record_start(args, name: str, field: str, starts: list[float]) -> None:
+    """Store the starts so far in the mode's result (``decode_NAME.json``) after each one, so that a run
+    cut off (the device time spent, the machine taken back) keeps the starts it finished; for the warm
+    starts also their median, ``engine_start_warm_s``. The mode's ``engine_start_s`` stays its first start."""
+    out = Path(args.work) / f"decode_{name}.json"
+    extra = {field: starts}
+    if field == "engine_start_warm_s_all":
+        extra["engine_start_warm_s"] = statistics.median(starts)
+    out.write_text(json.dumps({**json.loads(out.read_text()), **extra}, indent=1))
+
+
+def _extra_starts(args, mode: str, name: str, *, cold: bool) -> None:
+    """Start ``mode``'s engine again, one process each (``start_child``), ``--warm-start-repeats``
+    times after its measured run left vLLM's compile and JIT caches on disk, or ``--cold-start-repeats``
+    times with empty caches (``COLD_CACHES`` pointed at a fresh directory, removed after), as a job's
+    first start on a new machine. The seconds go into the mode's result as they land (``_record_start``):
+    ``engine_start_warm_s_all`` / ``engine_start_cold_s_all``."""
     import shutil
     import tempfile
 
+    kind = "cold" if cold else "warm"
+    field, child = f"engine_start_{kind}_s_all", f"{name}-{'cold' if cold else 'start'}"
     starts = []
-    for _ in range(args.cold_start_repeats):
-        fresh = Path(tempfile.mkdtemp(prefix="cold-start-", dir=args.work))
+    for _ in range(args.cold_start_repeats if cold else args.warm_start_repeats):
+        fresh = Path(tempfile.mkdtemp(prefix="cold-start-", dir=args.work)) if cold else None
         try:
-            env = {var: str(fresh / var.lower()) for var in COLD_CACHES}
-            start = run_child("decode", args, [mode, "--start-only"], name=f"{name}-cold", env_extra=env)
+            env = {var: str(fresh / var.lower()) for var in COLD_CACHES} if cold else None
+            start = run_child("decode", args, [mode, "--start-only"], name=child, env_extra=env)
         finally:
-            shutil.rmtree(fresh, ignore_errors=True)
+            if fresh is not None:
+                shutil.rmtree(fresh, ignore_errors=True)
         if start is None:
             break
-        (Path(args.work) / f"decode_{name}-cold.json").unlink()
+        (Path(args.work) / f"decode_{child}.json").unlink()  # the number lives in the mode's result
         starts.append(start["engine_start_s"])
+        _record_start(args, name, field, starts)
     if not starts:
-        print(f"decode {name}: the cold start wrote no result; engine_start_cold_s_all left out", flush=True)
+        print(f"decode {name}: the {kind} start wrote no result; {field} left out", flush=True)
         return
-    out = Path(args.work) / f"decode_{name}.json"
-    out.write_text(json.dumps({**json.loads(out.read_text()), "engine_start_cold_s_all": starts}, indent=1))
-    print(f"decode {name}: cold engine start {statistics.median(starts):.0f} s (median of {len(starts)})", flush=True)
-
-
-def warm_start(args, mode: str, name: str) -> None:
-    """Start ``mode``'s engine ``--warm-start-repeats`` more times (``start_child``, one process each),
-    after its measured run left vLLM's compile and JIT caches on disk, and store the seconds in the
-    mode's result (``decode_NAME.json``): ``engine_start_warm_s_all``, and their median as
-    ``engine_start_warm_s``; its ``engine_start_s`` stays the first start."""
-    starts = []
-    for _ in range(args.warm_start_repeats):
-        start = run_child("decode", args, [mode, "--start-only"], name=f"{name}-start")
-        if start is None:
-            break
-        (Path(args.work) / f"decode_{name}-start.json").unlink()  # the number lives in the mode's result
-        starts.append(start["engine_start_s"])
-    if not starts:
-        print(f"decode {name}: the warm start wrote no result; engine_start_warm_s left out", flush=True)
-        return
-    out = Path(args.work) / f"decode_{name}.json"
-    out.write_text(json.dumps({**json.loads(out.read_text()), "engine_start_warm_s": statistics.median(starts),
-                               "engine_start_warm_s_all": starts}, indent=1))
-    print(f"decode {name}: warm engine start {statistics.median(starts):.0f} s (median of {len(starts)})", flush=True)
+    print(f"decode {name}: {kind} engine start {statistics.median(starts):.0f} s (median of {len(starts)})",
+          flush=True)
 
 
 def warm_generate_s(engine, prompts, params) -> float:
@@ -934,9 +929,9 @@ def main(argv=None) -> int:
                                + (["--host-profile"] if args.host_profile else []),
                                name=name)
             if args.warm_start and result is not None:
-                warm_start(args, mode, name)
+                _extra_starts(args, mode, name, cold=False)
             if args.cold_start and result is not None:
-                cold_start(args, mode, name)
+                _extra_starts(args, mode, name, cold=True)
     elif args.command == "sync":
         gpus = max(args.train_tp, args.rollout_tp)
         if gpus % min(args.train_tp, args.rollout_tp):

@@ -297,6 +297,36 @@ def test_cold_starts_run_with_empty_caches_and_are_the_cold_headline(tmp_path, m
 
 
 
+@pytest.mark.parametrize("kind", ["warm", "cold"])
+def test_starts_cut_off_keep_those_that_finished(tmp_path, monkeypatch, kind):
+    """A run cut off during its third extra start (the machine taken back: the process dies) keeps
+    the two starts that finished in the mode's result, and the headline figure counts two runs."""
+    starts = iter([41.0, 39.0])
+
+    def fake_run_child(kind_, args, extra, *, name=None, gpus=1, env_extra=None):
+        if "--start-only" in extra:
+            value = next(starts, None)
+            if value is None:
+                raise KeyboardInterrupt  # the lane killed mid-start
+            result = {"mode": extra[0], "engine_start_s": value}
+        else:
+            result = {"mode": extra[0], "engine_start_s": 90.0}
+        (Path(args.work) / f"{kind_}_{name}.json").write_text(json.dumps(result))
+        return result
+
+    monkeypatch.setattr(bench_vllm, "run_child", fake_run_child)
+    with pytest.raises(KeyboardInterrupt):
+        bench_vllm.main(["decode", "--modes", "fp8-exact", "--fp8-gemm", "deep_gemm", f"--{kind}-start",
+                         "--work", str(tmp_path)])
+    result = json.loads((tmp_path / "decode_fp8-exact-deep_gemm.json").read_text())
+    assert result[f"engine_start_{kind}_s_all"] == [41.0, 39.0] and result["engine_start_s"] == 90.0
+    assert not list(tmp_path.glob("cold-start-*"))  # a cold start's caches removed, cut off or not
+    suffix = "_s" if kind == "warm" else "_cold_s"
+    start, _ = bench_vllm.decode_headline({"fp8-exact-deep_gemm": result}, "256x4096")[
+        "vllm_exact_engine_start" + suffix]
+    assert (start.value, start.runs) == (40.0, 2)
+
+
 def test_the_exact_engines_starts_are_headline_figures_of_their_own(tmp_path):
     """The exact engine (the rollout's default) has start keys of its own beside the default FP8
     engine's: warm and cold medians of its start-only children, each start a run (process) of its own;
