@@ -259,23 +259,14 @@ COLD_CACHES = ("VLLM_CACHE_ROOT", "DG_JIT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
 JIT kernels, Inductor's and Triton's kernels. A cold start gets a fresh empty directory for each."""
 
 
-def _record_start(args, name: str, field: str, starts: list[float]) -> None:
-    """Store the starts so far in the mode's result (``decode_NAME.json``) after each one, so that a run
-    cut off (the device time spent, the machine taken back) keeps the starts it finished; for the warm
-    starts also their median, ``engine_start_warm_s``. The mode's ``engine_start_s`` stays its first start."""
-    out = Path(args.work) / f"decode_{name}.json"
-    extra = {field: starts}
-    if field == "engine_start_warm_s_all":
-        extra["engine_start_warm_s"] = statistics.median(starts)
-    out.write_text(json.dumps({**json.loads(out.read_text()), **extra}, indent=1))
-
-
 def _extra_starts(args, mode: str, name: str, *, cold: bool) -> None:
     """Start ``mode``'s engine again, one process each (``start_child``), ``--warm-start-repeats``
     times after its measured run left vLLM's compile and JIT caches on disk, or ``--cold-start-repeats``
     times with empty caches (``COLD_CACHES`` pointed at a fresh directory, removed after), as a job's
-    first start on a new machine. The seconds go into the mode's result as they land (``_record_start``):
-    ``engine_start_warm_s_all`` / ``engine_start_cold_s_all``."""
+    first start on a new machine. The seconds go into the mode's result (``decode_NAME.json``) after each
+    start, so that a run cut off (the device time spent, the machine taken back) keeps the starts it
+    finished: ``engine_start_warm_s_all`` and their median ``engine_start_warm_s``, or
+    ``engine_start_cold_s_all``. The mode's ``engine_start_s`` stays its first start."""
     import shutil
     import tempfile
 
@@ -294,7 +285,9 @@ def _extra_starts(args, mode: str, name: str, *, cold: bool) -> None:
             break
         (Path(args.work) / f"decode_{child}.json").unlink()  # the number lives in the mode's result
         starts.append(start["engine_start_s"])
-        _record_start(args, name, field, starts)
+        extra = {field: starts} if cold else {field: starts, "engine_start_warm_s": statistics.median(starts)}
+        out = Path(args.work) / f"decode_{name}.json"
+        out.write_text(json.dumps({**json.loads(out.read_text()), **extra}, indent=1))
     if not starts:
         print(f"decode {name}: the {kind} start wrote no result; {field} left out", flush=True)
         return

@@ -74,8 +74,8 @@ case "${1:-}" in
     (cd "$dir" && grep -E "^[0-9a-f]{64} " dg_jit.manifest | sha256sum --quiet -c -) \
       || { echo "jit_cache: a part in $dir does not match its checksum: nothing unpacked"; exit 1; }
     cat "$dir"/dg_jit.tar.xz.* | xz -d | tar -C / -xf - || { echo "jit_cache: unpacking failed"; exit 1; }
-    echo "$(grep '^dirs ' "$dir/dg_jit.manifest")" >"$dir/.unpacked"
-    echo "jit_cache: DeepGEMM kernels unpacked into $(grep '^dirs ' "$dir/dg_jit.manifest" | cut -c6-)"
+    grep '^dirs ' "$dir/dg_jit.manifest" >"$dir/.unpacked"
+    echo "jit_cache: DeepGEMM kernels unpacked into $(cut -c6- "$dir/.unpacked")"
     ;;
   *) echo "usage: jit_cache.sh pack DIR | unpack DIR"; exit 2 ;;
 esac
