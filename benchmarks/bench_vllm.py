@@ -52,6 +52,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -237,11 +238,8 @@ def decode_child(args) -> dict:
     if args.profile:
         out["profile"] = profile_decode(engine, vocab, args.prompt_len, batch=args.profile_batch)
     if args.host_profile:
-        out["host_profile"] = hp = host_profile(engine, vocab, args.prompt_len, batch=args.profile_batch)
-        print(f"[{args.mode}] host time a decode step at batch {hp['batch']} (wall {hp['wall_ms_per_step']:.2f} ms "
-              "without the profiler), by function: self ms, total ms, calls", flush=True)
-        for f in hp["functions"][:20]:
-            print(f"  {f['self_ms']:7.3f} {f['total_ms']:7.3f} {f['calls_per_step']:8.1f}  {f['function']}", flush=True)
+        out["host_profile"] = host_profile(engine, vocab, args.prompt_len, batch=args.profile_batch)
+        print("\n".join(host_profile_lines(args.mode, out["host_profile"], top=20)), flush=True)
     engine.close()
     return {**out, "complete": True}
 
@@ -335,6 +333,18 @@ def host_profile(engine, vocab: int, prompt_len: int, batch: int = 256, steps: i
             "functions": [{"function": f"{Path(file).name}:{line}:{name}", "calls_per_step": calls / steps,
                            "self_ms": self_s * 1e3 / steps, "total_ms": total_s * 1e3 / steps}
                           for (file, line, name), (_, calls, self_s, total_s, _) in rows]}
+
+
+def host_profile_lines(name: str, hp: dict, top: int = 12) -> list[str]:
+    """``host_profile``'s result as table lines: the step's wall time, then the ``top`` functions by
+    their own time (ms a decode step under cProfile, which slows Python calls: compare them with each
+    other and between modes, not with the wall time)."""
+    lines = [f"-- host time, {name}, {hp['steps']} decode steps at batch {hp['batch']}: "
+             f"{hp['wall_ms_per_step']:.2f} ms wall a step (unprofiled); by function, ms a step under cProfile:",
+             f"   {'self':>7} {'total':>7} {'calls':>8}  function"]
+    lines += [f"   {f['self_ms']:>7.3f} {f['total_ms']:>7.3f} {f['calls_per_step']:>8.1f}  {f['function']}"
+              for f in hp["functions"][:top]]
+    return [re.sub(r" at 0x[0-9a-f]+>", ">", line) for line in lines]  # a built-in's address says nothing
 
 
 def profile_decode(engine, vocab: int, prompt_len: int, batch: int = 256, steps: int = 32) -> dict:
@@ -629,7 +639,9 @@ def table(args) -> str:
     device = next((d["device"] for d in (*decode.values(), *sync.values()) if d), "?")
     if decode:
         cases = list(next(iter(decode.values()))["cases"])
-        lines.append(f"== vLLM decode, Qwen3-8B shapes ({args.layers} layers), random weights, prompt "
+        shapes = {d.get("layers", args.layers) for d in decode.values()}  # older results: the table's --layers
+        lines.append(f"== vLLM decode, Qwen3-8B shapes ({', '.join(map(str, sorted(shapes)))} layers), random "
+                     f"weights, prompt "
                      f"{args.prompt_len}, {device} ==")
         lines.append(f"{'case BxT':>12} " + " ".join(f"{m + ' tok/s':>12}" for m in decode)
                      + "".join(f" {m + '/bf16':>10}" for m in decode if m != "bf16"))
@@ -642,10 +654,11 @@ def table(args) -> str:
             lines.append(f"{'range':>12} " + " ".join(f"{f'{min(v):.0f}-{max(v):.0f} ({len(v)})' if v else '':>12}"
                                                       for v in spans))
         lines.append(f"{'start s':>12} " + " ".join(f"{d['engine_start_s']:>12.0f}" for d in decode.values()))
-        if any("engine_start_warm_s" in d for d in decode.values()):
-            lines.append(f"{'warm start s':>12} " + " ".join(
-                f"{d['engine_start_warm_s']:>12.0f}" if "engine_start_warm_s" in d else f"{'—':>12}"
-                for d in decode.values()))
+        for kind in ("warm", "cold"):  # the extra starts' median (how many), where a mode has them
+            starts = {m: extra_starts(d, kind) for m, d in decode.items()}
+            if any(starts.values()):
+                lines.append(f"{kind + ' start s':>12} " + " ".join(
+                    f"{f'{statistics.median(v):.0f} ({len(v)})' if v else '—':>12}" for v in starts.values()))
         lines.append(f"{'KV tokens':>12} " + " ".join(f"{d['kv_cache_tokens'] or 0:>12}" for d in decode.values()))
         lines.append(f"{'GPU GiB':>12} " + " ".join(f"{d['used_gib']:>12.1f}" for d in decode.values()))
         seeded = [m for m, d in decode.items() if d.get("dg_jit_seeded")]
@@ -655,7 +668,6 @@ def table(args) -> str:
         cut = [m for m, d in decode.items() if d.get("complete") is False]
         if cut:
             lines.append(f"(cut off before all cases finished: {', '.join(cut)}; missing cases show nan)")
-        shapes = {d.get("layers", args.layers) for d in decode.values()}  # older results: the table's --layers
         if shapes != {HEADLINE_LAYERS}:
             lines.append(f"(decode at {', '.join(map(str, sorted(shapes)))} layers: no headline figure, those are "
                          f"of Qwen3-8B's {HEADLINE_LAYERS} layers)")
@@ -672,6 +684,8 @@ def table(args) -> str:
                     lines.append(f"   {cls:<20} {ms:>8.1f} ms {100 * ms / total:>5.1f}%")
                 for name, ms in list(p.get("top_kernels_ms", {}).items())[:8]:
                     lines.append(f"      {ms:>8.1f} ms  {name}")
+            if "host_profile" in d:
+                lines += host_profile_lines(m, d["host_profile"])
     if sync:
         lines.append(f"\n== sync of the 8B FP8 model into vLLM (train TP -> rollout TP; GB and floor per rank), "
                      f"{device} ==")
@@ -811,12 +825,19 @@ def _start_figures(result: dict, key: str) -> dict[str, tuple[Figure, dict]]:
     ``KEY_cold_s`` from empty ones (--cold-start; never a run's first start, which may find the caches
     an earlier run on the machine filled). Each start is a process of its own: ``runs`` counts them."""
     out = {}
-    warm = result.get("engine_start_warm_s_all") or (
-        [result["engine_start_warm_s"]] if "engine_start_warm_s" in result else [])
-    for suffix, starts in (("_s", warm), ("_cold_s", result.get("engine_start_cold_s_all") or [])):
+    for suffix, starts in (("_s", extra_starts(result, "warm")), ("_cold_s", extra_starts(result, "cold"))):
         if starts:
             out[key + suffix] = (dataclasses.replace(Figure.of(starts), runs=len(starts)), result)
     return out
+
+
+def extra_starts(result: dict, kind: str) -> list[float]:
+    """Seconds of each of a decode result's ``kind`` ("warm" or "cold") extra starts (``_extra_starts``;
+    older results: the warm starts' median alone), none where the run made none."""
+    starts = result.get(f"engine_start_{kind}_s_all")
+    if not starts and kind == "warm" and "engine_start_warm_s" in result:
+        starts = [result["engine_start_warm_s"]]
+    return list(starts or [])
 
 
 def _tok_s(decode: dict, case: str) -> list[float]:

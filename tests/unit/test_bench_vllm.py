@@ -220,7 +220,7 @@ def test_a_warm_start_is_a_row_and_the_headline_engine_start(tmp_path):
     headline = tmp_path / "headline.json"
     text = _table(tmp_path, headline)
     rows = {line[:12].strip(): line[12:].split() for line in text.splitlines() if "start s" in line}
-    assert rows == {"start s": ["90", "90"], "warm start s": ["—", "41"]}
+    assert rows == {"start s": ["90", "90"], "warm start s": ["—", "41", "(1)"]}  # median (starts)
     start = json.loads(headline.read_text())["vllm_engine_start_s"]
     assert start["value"] == 41.0 and start["command"].endswith("--warm-start")
 
@@ -292,6 +292,10 @@ def test_cold_starts_run_with_empty_caches_and_are_the_cold_headline(tmp_path, m
     assert result["engine_start_cold_s_all"] == [300.0, 280.0, 310.0] and result["engine_start_s"] == 90.0
     start, _ = bench_vllm.decode_headline({"fp8-deep_gemm": result}, "256x4096")["vllm_engine_start_cold_s"]
     assert (start.value, start.repeats, start.spread) == (300.0, 3, (280.0, 310.0))
+    (tmp_path / "decode_fp8-deep_gemm.json").write_text(json.dumps({**result, **_decode("fp8", {"8x64": 900.0})}))
+    rows = {line[:12].strip(): line[12:].split() for line in _table(tmp_path, tmp_path / "h.json").splitlines()
+            if "start s" in line}
+    assert rows == {"start s": ["90"], "cold start s": ["300", "(3)"]}  # the table shows them too
     assert "vllm_engine_start_cold_s" not in bench_vllm.decode_headline(
         {"fp8-deep_gemm": {**result, "engine_start_cold_s_all": None}}, "256x4096")
 
@@ -435,6 +439,7 @@ def test_decode_at_another_depth_gives_no_headline_figure(tmp_path):
     text = _table(work, headline)
     assert "fp8kv-tri-deep_gemm/bf16" in text and "0.90x" in text and "1.40x" in text
     assert "decode at 16 layers: no headline figure" in text and not headline.exists()
+    assert text.startswith("== vLLM decode, Qwen3-8B shapes (16 layers)")  # the results' depth, not --layers
     for name in ("bf16", "fp8kv-deep_gemm", "fp8kv-tri-deep_gemm"):  # the same results at 36 layers do count
         path = work / f"decode_{name}.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "layers": 36}))
@@ -942,3 +947,23 @@ def test_the_host_profile_gives_ms_a_decode_step_by_function(monkeypatch):
     top = hp["functions"][0]
     assert top["function"].endswith(":spin") and top["calls_per_step"] == 1.0
     assert 0 < top["self_ms"] <= top["total_ms"] and len(hp["functions"]) <= 5
+
+
+def test_the_table_shows_a_decode_host_profile(tmp_path):
+    """decode --host-profile: the table gives each mode's wall time a step and its functions by their
+    own time, in the recorded order, a built-in's address left out; a mode without one shows none."""
+    functions = [{"function": "scheduler.py:425:schedule", "calls_per_step": 1.0, "self_ms": 0.7, "total_ms": 4.2},
+                 {"function": "~:0:<function Event.synchronize at 0x7f248a130540>", "calls_per_step": 1.0,
+                  "self_ms": 0.5, "total_ms": 0.5}]
+    (tmp_path / "decode_fp8.json").write_text(json.dumps(
+        {**_decode("fp8", {"128x1024": 900.0}), "layers": 16,
+         "host_profile": {"batch": 128, "steps": 256, "wall_ms_per_step": 4.81, "functions": functions}}))
+    (tmp_path / "decode_fp8-exact.json").write_text(json.dumps({**_decode("fp8-exact", {"128x1024": 900.0}),
+                                                                "layers": 16}))
+    lines = _table(tmp_path, tmp_path / "h.json").splitlines()
+    at = lines.index("-- host time, fp8, 256 decode steps at batch 128: 4.81 ms wall a step (unprofiled); "
+                     "by function, ms a step under cProfile:")
+    assert [line.split() for line in lines[at + 2:at + 4]] == [
+        ["0.700", "4.200", "1.0", "scheduler.py:425:schedule"],
+        ["0.500", "0.500", "1.0", "~:0:<function", "Event.synchronize>"]]
+    assert sum("-- host time" in line for line in lines) == 1
