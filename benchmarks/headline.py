@@ -214,13 +214,21 @@ def update(path: str | Path, figures: Mapping[str, Figure], *, device: str, comm
     return data
 
 
+MOVED_SCRIPTS = {"benchmarks/gpu_host/": "hosts/offline/"}
+"""Folders whose scripts moved after entries recorded commands that run them: the old path -> the new
+(the same scripts; the GPU host's tooling left the benchmarks for ``hosts/offline/``)."""
+
+
 def portable_command(command: str) -> str:
-    """A recorded command with its output locations as placeholders (``portable_argv``): entries
-    recorded before commands were made portable carry a GPU host's paths."""
-    words = shlex.split(command)
+    """A recorded command with its output locations as placeholders (``portable_argv``) and its script
+    where the tree keeps it now (``MOVED_SCRIPTS``): entries recorded before commands were made portable
+    carry a GPU host's paths, and older ones a script's old folder."""
+    recorded = words = shlex.split(command)
+    for old, new in MOVED_SCRIPTS.items():
+        words = [new + w[len(old):] if w.startswith(old) else w for w in words]
     module = words.index("-m") + 2 if "-m" in words else len(words)
     portable = words[:module] + portable_argv(words[module:])
-    return command if portable == words else shlex.join(portable)  # as recorded where nothing changes
+    return command if portable == recorded else shlex.join(portable)  # as recorded where nothing changes
 
 
 def _write(path: Path, data: Mapping) -> None:

@@ -894,6 +894,38 @@ def test_an_older_entrys_host_paths_become_placeholders_when_the_file_is_written
     assert json.loads(headline.read_text())["actor_step_fp8_over_bf16"]["command"] == expected
 
 
+def test_an_older_entrys_moved_script_is_recorded_where_it_is_now(tmp_path):
+    """A command recorded before its script moved (``MOVED_SCRIPTS``) is written with the script's
+    current path, its variables and arguments as they were."""
+    from benchmarks.headline import merge, portable_command
+
+    old = "TP=4 RTP=2 STEPS=6 ARGS='run.profile_steps=[6]' bash benchmarks/gpu_host/rl_8b_full.sh"
+    expected = "TP=4 RTP=2 STEPS=6 'ARGS=run.profile_steps=[6]' bash hosts/offline/rl_8b_full.sh"
+    assert portable_command(old) == expected and (ROOT / "hosts/offline/rl_8b_full.sh").is_file()
+    entry = {"value": 1.2, "repeats": 3, "spread": [1.1, 1.3], "device": "GPU X", "command": old, "date": "2026-11-27"}
+    source, headline = tmp_path / "run.json", tmp_path / "headline.json"
+    source.write_text(json.dumps({"rl_step_8b_full_fp8_over_bf16": entry}))
+    merge(headline, [source])
+    assert json.loads(headline.read_text())["rl_step_8b_full_fp8_over_bf16"]["command"] == expected
+
+
+def test_every_recorded_command_names_a_script_or_module_of_this_tree():
+    """Each headline entry's command runs something the tree has: its ``-m`` module, or the script
+    it gives to bash (a script moved since would fail here until ``MOVED_SCRIPTS`` knows it)."""
+    import importlib.util
+    import shlex
+
+    data = json.loads((ROOT / "docs/results/headline.json").read_text())
+    for key, entry in data.items():
+        words = shlex.split(entry["command"].split(" (")[0])  # an older entry's trailing remark left off
+        if "-m" in words:
+            module = words[words.index("-m") + 1]
+            assert importlib.util.find_spec(module) is not None, f"{key}: no module {module}"
+        else:
+            script = words[words.index("bash") + 1]
+            assert (ROOT / script).is_file(), f"{key}: no script {script}"
+
+
 def test_a_step_ratio_notes_a_large_phase_that_varied_over_the_timed_steps():
     from benchmarks.bench_vllm import step_spread_note
 
