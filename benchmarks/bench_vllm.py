@@ -641,8 +641,7 @@ def table(args) -> str:
         cases = list(next(iter(decode.values()))["cases"])
         shapes = {d.get("layers", args.layers) for d in decode.values()}  # older results: the table's --layers
         lines.append(f"== vLLM decode, Qwen3-8B shapes ({', '.join(map(str, sorted(shapes)))} layers), random "
-                     f"weights, prompt "
-                     f"{args.prompt_len}, {device} ==")
+                     f"weights, prompt {args.prompt_len}, {device} ==")
         lines.append(f"{'case BxT':>12} " + " ".join(f"{m + ' tok/s':>12}" for m in decode)
                      + "".join(f" {m + '/bf16':>10}" for m in decode if m != "bf16"))
         for c in cases:
