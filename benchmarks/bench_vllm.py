@@ -265,7 +265,6 @@ def _extra_starts(args, mode: str, name: str, *, cold: bool) -> None:
     start, so that a run cut off (the device time spent, the machine taken back) keeps the starts it
     finished: ``engine_start_warm_s_all`` and their median ``engine_start_warm_s``, or
     ``engine_start_cold_s_all``. The mode's ``engine_start_s`` stays its first start."""
-    import shutil
     import tempfile
 
     kind = "cold" if cold else "warm"
