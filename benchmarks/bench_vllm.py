@@ -730,9 +730,11 @@ def table(args) -> str:
                 against = "the BF16 step with its logprob recompute (the same run, one mode after the other)"
                 note = join_notes(layers_note, step_spread_note({base: timed[base], mode: timed[mode]}))
                 headline[STEP_HEADLINE[mode]] = (ratios["step"].against(against).noted(note), step[mode])
-                if mode == "fp8":
+                if mode == "fp8":  # the generate phase alone: its note names only that phase's variance
+                    generate = {m: {p: timed[m][p] for p in ("generate", "step")} for m in (base, mode)}
                     headline["rl_generate_fp8_over_bf16"] = (
-                        ratios["generate"].against("BF16's generate phase").noted(layers_note), step[mode])
+                        ratios["generate"].against("BF16's generate phase")
+                        .noted(join_notes(layers_note, step_spread_note(generate))), step[mode])
         if "fp8" in step and "fp8-exact" in step:
             exact = Figure.ratio(timed["fp8"]["step"], timed["fp8-exact"]["step"])
             lines.append(f"{'fp8/exact':>17} {exact.value:>8.2f}x step ({exact.spread[0]:.2f}x-{exact.spread[1]:.2f}x; "

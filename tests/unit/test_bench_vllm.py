@@ -356,6 +356,31 @@ def test_step_ratios_are_no_headline_unless_every_mode_did_the_same_work(tmp_pat
     assert "did not generate the same tokens" in text and not headline.exists()
 
 
+def test_the_generate_ratio_notes_its_own_phases_variance_and_only_that(tmp_path):
+    """rl_generate_fp8_over_bf16 moves with the generate phase's step-to-step variance as much as the
+    step ratio does: its entry names that phase (and no other) when it varied over the timed steps."""
+    def run(generate, update):
+        phases = {"generate": generate, "logprobs": [1.0] * 3, "update": update, "sync": [0.1] * 3,
+                  "step": [g + 1.1 + u for g, u in zip(generate, update, strict=True)]}
+        return {"seconds_per_step": phases, "tokens_per_timed_step": [4096.0] * 3,
+                "config": {"layers": 16, "response_len": 2048}}
+
+    runs = {"bf16": run([12.3, 12.8, 14.0], [10.9, 10.9, 13.9]), "fp8": run([19.3, 14.0, 23.3], [9.4] * 3)}
+    (tmp_path / "step.json").write_text(json.dumps(runs))
+    headline = tmp_path / "headline.json"
+    _table(tmp_path, headline)
+    entries = json.loads(headline.read_text())
+    generate = entries["rl_generate_fp8_over_bf16"]["note"]
+    assert generate.startswith("within the run, fp8 generate 14.00-23.30 s over the timed steps")
+    assert "update" not in generate and "bf16 generate" not in generate  # bf16's generate varied 1.14x only
+    assert "bf16 update 10.90-13.90 s" in entries["rl_step_vllm_fp8_over_bf16"]["note"]
+    runs = {"bf16": run([12.3, 12.8, 12.6], [10.9] * 3), "fp8": run([11.0, 11.2, 11.1], [9.4] * 3)}
+    (tmp_path / "step.json").write_text(json.dumps(runs))
+    headline.unlink()
+    _table(tmp_path, headline)
+    assert "note" not in json.loads(headline.read_text())["rl_generate_fp8_over_bf16"]  # steady: no note
+
+
 def test_step_modes_with_te_attention_are_compared_with_bf16_with_te_attention(tmp_path):
     """The -ta step modes (the trainer attending with TE's cuDNN kernels) get their ratio against
     bf16-ta where it ran, so both sides attend alike; bf16-ta itself against bf16. Table only: the
