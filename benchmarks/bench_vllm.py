@@ -576,11 +576,13 @@ STEP_PHASE_SHARE = 0.1
 """...of the phases that take at least this share of the step (the others cannot move the ratio much)."""
 
 
-def step_spread_note(sides: Mapping[str, Mapping[str, Sequence[float]]]) -> str:
+def step_spread_note(sides: Mapping[str, Mapping[str, Sequence[float]]], only: Sequence[str] = ()) -> str:
     """The headline note naming each phase of a ratio's two sides (mode -> phase -> seconds a timed
-    step) that varied by more than ``STEP_PHASE_SPREAD`` over the timed steps ("" when none did)."""
+    step) that varied by more than ``STEP_PHASE_SPREAD`` over the timed steps ("" when none did);
+    with ``only``, just those phases (a ratio of one phase)."""
     varied = [f"{mode} {phase} {min(sec):.2f}-{max(sec):.2f} s" for mode, phases in sides.items()
-              for phase, sec in phases.items() if phase != "step" and sec and min(sec) > 0
+              for phase, sec in phases.items() if phase != "step" and (not only or phase in only)
+              and sec and min(sec) > 0
               and statistics.median(sec) >= STEP_PHASE_SHARE * statistics.median(phases["step"])
               and max(sec) / min(sec) > STEP_PHASE_SPREAD]
     if not varied:
@@ -730,11 +732,11 @@ def table(args) -> str:
                 against = "the BF16 step with its logprob recompute (the same run, one mode after the other)"
                 note = join_notes(layers_note, step_spread_note({base: timed[base], mode: timed[mode]}))
                 headline[STEP_HEADLINE[mode]] = (ratios["step"].against(against).noted(note), step[mode])
-                if mode == "fp8":  # the generate phase alone: its note names only that phase's variance
-                    generate = {m: {p: timed[m][p] for p in ("generate", "step")} for m in (base, mode)}
+                if mode == "fp8":
+                    generate_note = step_spread_note({base: timed[base], mode: timed[mode]}, only=("generate",))
                     headline["rl_generate_fp8_over_bf16"] = (
                         ratios["generate"].against("BF16's generate phase")
-                        .noted(join_notes(layers_note, step_spread_note(generate))), step[mode])
+                        .noted(join_notes(layers_note, generate_note)), step[mode])
         if "fp8" in step and "fp8-exact" in step:
             exact = Figure.ratio(timed["fp8"]["step"], timed["fp8-exact"]["step"])
             lines.append(f"{'fp8/exact':>17} {exact.value:>8.2f}x step ({exact.spread[0]:.2f}x-{exact.spread[1]:.2f}x; "
