@@ -730,10 +730,11 @@ def table(args) -> str:
                          + f" {ratios['step'].spread[0]:>6.2f}x-{ratios['step'].spread[1]:.2f}x")
             if equal_work and base == "bf16" and mode in STEP_HEADLINE:  # the product's FP8 rollouts over BF16
                 against = "the BF16 step with its logprob recompute (the same run, one mode after the other)"
-                note = join_notes(layers_note, step_spread_note({base: timed[base], mode: timed[mode]}))
+                sides = {base: timed[base], mode: timed[mode]}
+                note = join_notes(layers_note, step_spread_note(sides))
                 headline[STEP_HEADLINE[mode]] = (ratios["step"].against(against).noted(note), step[mode])
                 if mode == "fp8":
-                    generate_note = step_spread_note({base: timed[base], mode: timed[mode]}, only=("generate",))
+                    generate_note = step_spread_note(sides, only=("generate",))
                     headline["rl_generate_fp8_over_bf16"] = (
                         ratios["generate"].against("BF16's generate phase")
                         .noted(join_notes(layers_note, generate_note)), step[mode])
